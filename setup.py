@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="opendit",
+    version="0.1.0",
+    description="Fast, memory-lean training and sampling of Diffusion Transformers (DiT, video DiT, FLUX)",
+    packages=find_packages(include=["opendit", "opendit.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "einops",
+        "diffusers",
+        "transformers",
+        "safetensors",
+        "numpy",
+        "pillow",
+        "pandas",
+        "pyyaml",
+        "tensorboard",
+        "tqdm",
+        "scikit-learn",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout"],
+        "kernels": ["triton"],
+        "video": ["av"],
+    },
+)
