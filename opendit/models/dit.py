@@ -1,0 +1,147 @@
+"""Class-conditional DiT (Peebles & Xie, 2023) with adaLN-Zero blocks.
+
+state_dict keys and shapes equal the official release, so DiT-XL-2-256x256.pt loads with strict=True.
+"""
+import torch
+import torch.nn as nn
+
+from opendit import kernels
+from opendit.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder
+from opendit.models.pos_embed import sincos_2d
+
+
+class AdaLNNorm(nn.Module):
+    """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.use_modulate_kernel = False
+        self.use_layernorm_kernel = False
+
+    def forward(self, x, shift, scale):
+        if self.use_modulate_kernel:
+            return kernels.layernorm_modulate(x, shift, scale, eps=self.eps, use_kernel=True)
+        x = kernels.layer_norm(x, eps=self.eps, use_kernel=self.use_layernorm_kernel)
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = AdaLNNorm()
+        self.attn = Attention(hidden_size, num_heads, qkv_bias=True)
+        self.norm2 = AdaLNNorm()
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x [B, N, D] tokens (N may be this rank's chunk under sequence parallelism); c [B, D] condition."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        fused = self.norm1.use_modulate_kernel
+        x = kernels.gated_residual(x, gate_msa, self.attn(self.norm1(x, shift_msa, scale_msa)), use_kernel=fused)
+        x = kernels.gated_residual(x, gate_mlp, self.mlp(self.norm2(x, shift_mlp, scale_mlp)), use_kernel=fused)
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = AdaLNNorm()
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(self.norm_final(x, shift, scale))
+
+
+class DiT(nn.Module):
+    # Attribute names of the nn.ModuleLists holding repeated blocks; the booster wraps these one by one.
+    _block_lists = ("blocks",)
+
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
+                 mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000, learn_sigma=True):
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(f"input size {input_size} is not divisible by patch size {patch_size}")
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.learn_sigma = learn_sigma
+        self.patch_size = patch_size
+        self.input_size = input_size
+        self.num_classes = num_classes
+        self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = (input_size // patch_size) ** 2
+        # A frozen parameter (not a buffer) so the key matches the official checkpoint.
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        def _basic_init(module):
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(_basic_init)
+        grid = int(self.pos_embed.shape[1] ** 0.5)
+        self.pos_embed.data.copy_(sincos_2d(self.pos_embed.shape[-1], grid).unsqueeze(0))
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for block in self.blocks:  # adaLN-Zero: every block starts as the identity
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
+        """Switch the fused paths; the math stays the same (tests compare both)."""
+        for m in self.modules():
+            if isinstance(m, AdaLNNorm):
+                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
+            elif isinstance(m, Attention):
+                m.attn_backend = attn_backend
+
+    def unpatchify(self, x):
+        """[B, N, p*p*C] -> [B, C, H, W]."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
+
+    def embed(self, x, t, y):
+        """x [B, C, H, W], t [B], y [B] -> tokens [B, N, D] and condition [B, D]."""
+        tokens = self.x_embedder(x) + self.pos_embed.to(x.dtype)
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)
+        return tokens, c
+
+    def forward(self, x, t, y):
+        tokens, c = self.embed(x, t, y)
+        for block in self.blocks:
+            tokens = block(tokens, c)
+        return self.unpatchify(self.final_layer(tokens, c))
+
+    def forward_with_cfg(self, x, t, y, cfg_scale: float, cfg_channels: int | None = None):
+        """Classifier-free guidance. x holds [cond half; uncond half] (the second half's y is the null class).
+
+        Guidance is applied to the eps channels (the first `cfg_channels`, default all in_channels; the official
+        DiT sampler used 3 of 4 latent channels) and the learned-variance channels of the conditional half are kept.
+        """
+        half = x[: len(x) // 2]
+        out = self.forward(torch.cat([half, half]), t, y)
+        n = self.in_channels if cfg_channels is None else cfg_channels
+        eps, rest = out[:, :n], out[:, n:]
+        cond_eps, uncond_eps = eps.chunk(2)
+        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+        return torch.cat([torch.cat([half_eps, half_eps]), rest], dim=1)
