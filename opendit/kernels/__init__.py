@@ -1,19 +1,174 @@
-"""Fused kernels behind switches. Each function falls back to its PyTorch reference twin
-(opendit.kernels.reference) when `use_kernel` is False or Triton / a GPU is unavailable."""
+"""Fused kernels behind switches.
+
+Each public function has a PyTorch twin with the same signature in `opendit.kernels.reference`.
+The Triton kernel runs when `use_kernel` is True AND triton imports AND (x is on CUDA OR
+TRITON_INTERPRET=1, the CPU interpreter used by the tests) AND the dtypes are fp16 / bf16 / fp32;
+otherwise the reference runs (logged once per function). `kernel_status()` says which path runs.
+`layer_norm` prefers apex's FusedLayerNorm when apex imports and x is on CUDA.
+
+Shapes: x [B, N, C] (or [B, *, C]: every token of sample b uses row b); shift / scale / gate
+[B, C] (or [B, 1, C]); weight / bias [C]; RoPE: x [B, H, N, D], freqs [N, D/2] or [B, N, D/2].
+"""
+import functools
+import logging
+import os
+
+import torch
+
 from opendit.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_FUSED_COLS = 16384  # a norm kernel keeps one row in registers; wider rows use the reference
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version():
+    """Triton's version string, or None with the reason logged (it is an optional dependency)."""
+    try:
+        import triton
+    except Exception as e:  # ImportError, or a broken install raising something else
+        logger.info("triton not importable (%s): kernels fall back to PyTorch", e)
+        return None
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def _apex_layer_norm():
+    """(fused_layer_norm, fused_layer_norm_affine) from apex, or None when apex is absent."""
+    try:
+        from apex.normalization.fused_layer_norm import fused_layer_norm, fused_layer_norm_affine
+    except Exception:
+        return None
+    return fused_layer_norm, fused_layer_norm_affine
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _why_not_kernel(x, *others):
+    """None when the Triton kernel can run on these tensors, else the reason it cannot."""
+    if _triton_version() is None:
+        return "triton is not importable"
+    if not (x.is_cuda or _interpret()):
+        return f"x is on {x.device.type} and TRITON_INTERPRET is not 1"
+    for t in (x, *others):
+        if t is not None and t.dtype not in _KERNEL_DTYPES:
+            return f"dtype {t.dtype} is not fp16/bf16/fp32"
+        if t is not None and t.device != x.device:
+            return "tensors are on different devices"
+    if x.shape[-1] > _MAX_FUSED_COLS:
+        return f"last dim {x.shape[-1]} > {_MAX_FUSED_COLS}"
+    return None
+
+
+_warned = set()
+
+
+def _use_kernel(name, use_kernel, x, *others) -> bool:
+    if not use_kernel:
+        return False
+    why = _why_not_kernel(x, *others)
+    if why is not None and name not in _warned:
+        _warned.add(name)
+        logger.warning("%s: use_kernel=True but %s; running the PyTorch reference", name, why)
+    return why is None
+
+
+def kernel_status(use_kernel: bool = True, device="cuda") -> str:
+    """One line naming the path the kernels take for tensors on `device`; also logged at INFO."""
+    device = torch.device(device)
+    if not use_kernel:
+        msg = "kernels: PyTorch reference (use_kernel=False)"
+    elif _triton_version() is None:
+        msg = "kernels: PyTorch reference (triton is not importable)"
+    elif device.type == "cuda":
+        msg = f"kernels: triton {_triton_version()} on CUDA"
+    elif _interpret():
+        msg = f"kernels: triton {_triton_version()} in the CPU interpreter (TRITON_INTERPRET=1, slow)"
+    else:
+        msg = f"kernels: PyTorch reference (device {device.type}, TRITON_INTERPRET is not 1)"
+    if use_kernel:
+        apex = _apex_layer_norm() is not None and device.type == "cuda"
+        msg += "; layer_norm: " + ("apex FusedLayerNorm" if apex else "same as above")
+    logger.info(msg)
+    return msg
+
+
+def _per_sample_rows(name, v, x):
+    """Accept [B, C] or [B, 1, C] for a per-sample vector of x [B, ..., C]; return [B, C]."""
+    if x.dim() < 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, N, C]")
+    B, C = x.shape[0], x.shape[-1]
+    if v.dim() == 3 and v.shape[1] == 1:
+        v = v.squeeze(1)
+    if tuple(v.shape) != (B, C):
+        raise ValueError(f"{name} has shape {tuple(v.shape)}; expected [B, C] = [{B}, {C}] "
+                         f"(one row per sample of x {tuple(x.shape)}); reshape it to [B, C]")
+    return v
 
 
 def layernorm_modulate(x, shift, scale, weight=None, bias=None, eps=1e-6, use_kernel=False):
+    """adaLN: LN(x) * (1 + scale[b]) + shift[b]; x [B, N, C], shift / scale [B, C]."""
+    shift, scale = _per_sample_rows("shift", shift, x), _per_sample_rows("scale", scale, x)
+    if _use_kernel("layernorm_modulate", use_kernel, x, shift, scale, weight, bias):
+        from opendit.kernels import triton_norm
+        return triton_norm.norm(x, weight, bias, shift, scale, eps)
     return reference.layernorm_modulate(x, shift, scale, weight, bias, eps)
 
 
 def gated_residual(x, gate, y, use_kernel=False):
+    """x + gate[b] * y; x, y [B, N, C], gate [B, C]."""
+    gate = _per_sample_rows("gate", gate, x)
+    if x.shape != y.shape:
+        raise ValueError(f"gated_residual: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
+    if _use_kernel("gated_residual", use_kernel, x, gate, y):
+        from opendit.kernels import triton_pointwise
+        return triton_pointwise.gated_residual(x, gate, y)
     return reference.gated_residual(x, gate, y)
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-6, use_kernel=False):
+    """LayerNorm over the last dim (the --enable_layernorm_kernel switch); apex first when present."""
+    if use_kernel and x.is_cuda and _apex_layer_norm() is not None:
+        plain, affine = _apex_layer_norm()
+        if weight is None and bias is None:
+            return plain(x, x.shape[-1:], eps)
+        if weight is not None and bias is not None and weight.dtype == x.dtype == bias.dtype:
+            return affine(x, weight, bias, x.shape[-1:], eps)
+    if _use_kernel("layer_norm", use_kernel, x, weight, bias):
+        from opendit.kernels import triton_norm
+        return triton_norm.norm(x, weight, bias, eps=eps)
     return reference.layer_norm(x, weight, bias, eps)
 
 
 def rms_norm(x, weight=None, eps=1e-6, use_kernel=False):
+    """RMSNorm over the last dim (FLUX q/k norm), fp32 math, returned in x's dtype."""
+    if _use_kernel("rms_norm", use_kernel, x, weight):
+        from opendit.kernels import triton_norm
+        return triton_norm.norm(x, weight, eps=eps, rms=True)
     return reference.rms_norm(x, weight, eps)
+
+
+def apply_rope(x, freqs_cos, freqs_sin, use_kernel=False):
+    """Rotary embedding on interleaved pairs (x[..., 0::2], x[..., 1::2]), FLUX's layout.
+
+    x [B, H, N, D]; freqs_cos / freqs_sin [N, D/2] or [B, N, D/2]: pair i of token n is rotated by
+    the angle with that cosine / sine (see reference.apply_rope). The kernel gives no grad to freqs;
+    freqs that require grad take the reference path.
+    """
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: x has shape {tuple(x.shape)}; expected [B, H, N, D] with even D")
+    B, _, N, D = x.shape
+    ok = ((N, D // 2), (B, N, D // 2))
+    for name, f in (("freqs_cos", freqs_cos), ("freqs_sin", freqs_sin)):
+        if tuple(f.shape) not in ok:
+            raise ValueError(f"apply_rope: {name} has shape {tuple(f.shape)}; expected [N, D/2] = "
+                             f"[{N}, {D // 2}] or [B, N, D/2] for x {tuple(x.shape)}")
+    trainable_freqs = freqs_cos.requires_grad or freqs_sin.requires_grad
+    if not trainable_freqs and _use_kernel("apply_rope", use_kernel, x, freqs_cos, freqs_sin):
+        from opendit.kernels import triton_pointwise
+        return triton_pointwise.apply_rope(x, freqs_cos, freqs_sin)
+    return reference.apply_rope(x, freqs_cos, freqs_sin)
