@@ -1,0 +1,72 @@
+"""Frozen image VAE (diffusers AutoencoderKL): pixels in [-1, 1] <-> scaled latents.
+
+Latents are scaled so they have roughly unit variance, which the diffusion schedules assume:
+z = (posterior sample - shift) * scale. SD's VAE (used by DiT) has scale 0.18215 and no shift;
+FLUX's has scale 0.3611, shift 0.1159.
+"""
+import os
+from typing import Optional
+
+import torch
+
+SD_VAE_SCALE = 0.18215
+
+
+def _is_none(name_or_path) -> bool:
+    return name_or_path is None or (isinstance(name_or_path, str) and name_or_path.strip().lower() == "none")
+
+
+def _from_pretrained(name_or_path: str):
+    from diffusers import AutoencoderKL  # lazy: diffusers is slow to import
+
+    if os.path.isdir(name_or_path):
+        if os.path.isfile(os.path.join(name_or_path, "config.json")):
+            return AutoencoderKL.from_pretrained(name_or_path)
+        if os.path.isfile(os.path.join(name_or_path, "vae", "config.json")):  # a whole pipeline folder
+            return AutoencoderKL.from_pretrained(name_or_path, subfolder="vae")
+        raise FileNotFoundError(
+            f"VAE folder {name_or_path!r} has no config.json (nor vae/config.json); pass a folder written "
+            f"by AutoencoderKL.save_pretrained, e.g. a download of stabilityai/sd-vae-ft-ema")
+    if os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(
+            f"VAE path {name_or_path!r} is not a folder; pass a folder written by "
+            f"AutoencoderKL.save_pretrained (config.json + weights) or a hub id like stabilityai/sd-vae-ft-ema")
+    try:
+        return AutoencoderKL.from_pretrained(name_or_path)
+    except Exception as err:  # offline, unknown id, gated repo...: all mean "get the files locally"
+        raise OSError(
+            f"could not load the VAE {name_or_path!r} from the Hugging Face hub or its cache ({type(err).__name__}: "
+            f"{err}); download it where there is network (huggingface-cli download {name_or_path} "
+            f"--local-dir <folder>) and pass that local folder instead") from err
+
+
+def load_vae(name_or_path, device="cpu", dtype: torch.dtype = torch.float32):
+    """-> frozen AutoencoderKL in eval mode on device/dtype, or None for None / "none" (cached latents).
+
+    name_or_path: a local folder (save_pretrained layout, or a pipeline folder with vae/) or a hub id.
+    """
+    if _is_none(name_or_path):
+        return None
+    vae = _from_pretrained(str(name_or_path))
+    vae = vae.to(device=device, dtype=dtype).eval()
+    vae.requires_grad_(False)
+    return vae
+
+
+@torch.no_grad()
+def encode(vae, x: torch.Tensor, generator: Optional[torch.Generator] = None,
+           scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
+    """x: [B, 3, H, W] in [-1, 1] -> float32 latents [B, C_lat, H/f, W/f] (f = VAE downsampling).
+
+    Samples the posterior (pass a generator on the VAE's device for reproducible noise)."""
+    param = next(vae.parameters())
+    posterior = vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
+    return ((posterior.sample(generator=generator) - shift) * scale).float()
+
+
+@torch.no_grad()
+def decode(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
+    """z: scaled latents [B, C_lat, h, w] -> float32 images [B, 3, h*f, w*f] clamped to [-1, 1]."""
+    param = next(vae.parameters())
+    z = (z.to(device=param.device, dtype=param.dtype) / scale) + shift
+    return vae.decode(z).sample.float().clamp_(-1.0, 1.0)
