@@ -1,0 +1,160 @@
+"""The training loop in three levels: `train` (build, resume, cadence), `train_step` (accumulation, clipping,
+step, EMA) and the objective's `loss` (what one micro-batch costs)."""
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from opendit import config as cfglib
+from opendit.booster import Booster, build_plugin
+from opendit.checkpoint import export_ema, load_checkpoint, resolve_checkpoint, save_checkpoint
+from opendit.data import build_dataset
+from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
+from opendit.ema import ShardedEMA
+from opendit.encoders.vae import load_vae
+from opendit.kernels.attention import resolve_attention_backend
+from opendit.models import MODELS, build_model
+from opendit.training.objective import DiffusionObjective, latent_geometry
+from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
+
+logger = logging.getLogger("opendit")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_dit(cfg, data_channels: int):
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; valid names: {', '.join(MODELS)}")
+    patch = MODELS[cfg.model].keywords["patch_size"]
+    input_size, in_channels = latent_geometry(cfg.image_size, cfg.vae, data_channels, patch)
+    model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
+                        learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
+    backend = resolve_attention_backend(cfg.enable_flashattn)
+    model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
+                      attn_backend=backend)
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: cfglib.TrainConfig):
+        self.cfg = cfg
+        self.dist = init_distributed()
+        setup_logging(self.dist.rank)
+        # every impossible combination fails here, before any data or weights are touched
+        self.booster = Booster(build_plugin(
+            cfg.plugin, mixed_precision=cfg.mixed_precision, dp_replicate=cfg.dp_replicate,
+            sp_size=cfg.sequence_parallel_size, grad_checkpoint=cfg.grad_checkpoint, compile=cfg.compile,
+            device=self.dist.device))
+        if cfg.grad_accum < 1 or cfg.batch_size % (self.booster.dp_size * cfg.grad_accum):
+            raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
+                             f"{self.booster.dp_size} x --grad_accum {cfg.grad_accum}")
+        # ranks of one sequence-parallel group draw the same noise, timesteps and label drops
+        seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
+        self.resume_from = self._resolve_resume()
+        self.run_dir = self._make_run_dir()
+        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size)
+        self.vae = load_vae(cfg.vae, self.dist.device)
+        self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
+        model = build_dit(cfg, getattr(self.dataset, "channels", 3))
+        logger.info("%s: %.1fM parameters; attention backend %s", cfg.model,
+                    sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay)
+        warmup = max(cfg.warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+        self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
+            model, optimizer, dataloader=loader, lr_scheduler=scheduler)
+        self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_mesh=self.booster.dp_mesh)
+        self.step = 0
+        if self.resume_from is not None:
+            self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
+                                               lr_scheduler=self.scheduler)
+            self.loader.load_state_dict(extra["data"])
+            logger.info("resumed from %s at step %d", self.resume_from, self.step)
+        steps_per_epoch = len(self.loader)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
+
+    # ---- set-up helpers -----------------------------------------------------------------------------------------
+    def _resolve_resume(self):
+        if not self.cfg.load:
+            return None
+        return broadcast_object(str(resolve_checkpoint(self.cfg.load, self.cfg.outputs)) if self.dist.rank == 0 else None)
+
+    def _make_run_dir(self) -> Path:
+        """A resumed run continues in the run folder that holds its checkpoint; a new run gets the next number."""
+        if self.dist.rank == 0:
+            if self.resume_from is not None and Path(self.resume_from).parent.name == "checkpoints":
+                run = Path(self.resume_from).parent.parent
+            else:
+                run = new_run_dir(self.cfg.outputs, self.cfg.model)
+            cfglib.save_yaml(self.cfg, run / "config.yaml")
+        else:
+            run = None
+        return Path(broadcast_object(str(run) if run else None))
+
+    # ---- the loop -----------------------------------------------------------------------------------------------
+    def train(self) -> list[float]:
+        cfg, losses = self.cfg, []
+        log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step)
+        logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
+                    self.total_steps, cfg.batch_size, self.booster.dp_size)
+        self.model.train()
+        interval_loss, interval_steps = 0.0, 0
+        while self.step < self.total_steps:
+            self.loader.set_epoch(self.loader.sampler.epoch)
+            for batch in self.loader:
+                loss, grad_norm = self.train_step(batch)
+                self.loader.advance()
+                self.step += 1
+                interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    mean_loss = all_reduce_mean(interval_loss / interval_steps)
+                    losses.append(mean_loss)
+                    log.log(self.step, {"loss": mean_loss, "grad_norm": grad_norm,
+                                        "lr": self.scheduler.get_last_lr()[0]},
+                            images=interval_steps * cfg.batch_size)
+                    interval_loss, interval_steps = 0.0, 0
+                if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
+                    self.save()
+                if self.step >= self.total_steps:
+                    break
+            else:
+                self.loader.set_epoch(self.loader.sampler.epoch + 1)
+        log.close()
+        return losses
+
+    def train_step(self, batch) -> tuple[float, float]:
+        """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm)."""
+        cfg, booster = self.cfg, self.booster
+        x, y = self.objective.prepare(batch, self.dist.device)
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+            last = i == cfg.grad_accum - 1
+            with booster.no_sync(self.model, enabled=not last), booster.autocast():
+                loss = self.objective.loss(self.model, xm, ym) / cfg.grad_accum
+                booster.backward(loss, self.optimizer)
+            total += loss.item()
+        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if cfg.grad_clip > 0 else float("nan")
+        if booster.step(self.optimizer):
+            self.scheduler.step()
+            self.ema.update(self.model)
+        return total, float(grad_norm)
+
+    def save(self) -> None:
+        extra = {"data": self.loader.state_dict(), "config": cfglib.to_dict(self.cfg)}
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
+                               lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last)
+        export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
+        if self.dist.rank == 0:
+            cfglib.save_yaml(self.cfg, Path(path) / "config.yaml")
+        dist.barrier()
+        logger.info("saved checkpoint %s", path)
