@@ -1,0 +1,75 @@
+"""scikit-learn's handwritten digits (1,797 real 8x8 scans, 10 classes) as a tiny demo dataset.
+
+It ships inside scikit-learn, so the demo and the quality benchmark run offline on a laptop.
+"""
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from opendit.data.transforms import check_image_size, to_signed_tensor
+
+NUM_DIGITS = 1797
+SPLITS = ("all", "train", "held_out")
+
+
+def _load_raw():
+    from sklearn.datasets import load_digits  # lazy: keeps `import opendit.data` light
+
+    bunch = load_digits()
+    # images: [1797, 8, 8] float64 ink counts 0..16; target: [1797] int labels 0..9
+    return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
+
+
+def digits_split(held_out_fraction: float = 0.2, seed: int = 0):
+    """Deterministic stratified split of the raw digits for the quality benchmark's classifier.
+
+    Returns ((train_images, train_labels), (held_out_images, held_out_labels)); images are float32
+    [N, 8, 8] with values 0..16, labels int64 [N]. Same (fraction, seed) -> same split everywhere.
+    """
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+    from sklearn.model_selection import train_test_split
+
+    images, labels = _load_raw()
+    x_train, x_held, y_train, y_held = train_test_split(
+        images, labels, test_size=held_out_fraction, random_state=seed, stratify=labels)
+    return (x_train, y_train), (x_held, y_held)
+
+
+class DigitsDataset(Dataset):
+    """Digits upscaled to image_size: item = (float32 [channels, S, S] in [-1, 1], int label).
+
+    Ink is white on black (0 -> -1, 16 -> 1). channels=3 repeats the grey plane so RGB models
+    (and a VAE) can use it. split="train"/"held_out" use `digits_split`'s default split.
+    No flips: a mirrored digit is a different (or no) digit.
+    """
+
+    num_classes = 10
+
+    def __init__(self, image_size: int, channels: int = 1, split: str = "all"):
+        self.image_size = check_image_size(image_size)
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.channels = channels
+        if split == "all":
+            images, labels = _load_raw()
+        else:
+            train, held = digits_split()
+            images, labels = train if split == "train" else held
+        # 0..16 -> 0..255 uint8 once; upscaling happens per item (8x8 sources are cheap to resize)
+        self._images = np.round(images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8]
+        self._labels = labels
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def __getitem__(self, index: int):
+        image = Image.fromarray(self._images[index])  # 2-D uint8 -> mode "L"
+        image = image.resize((self.image_size, self.image_size), resample=Image.BICUBIC)
+        x = to_signed_tensor(image)  # [1, S, S]
+        if self.channels == 3:
+            x = x.expand(3, -1, -1).contiguous()
+        return x, int(self._labels[index])
