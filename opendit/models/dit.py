@@ -8,6 +8,7 @@ import torch.nn as nn
 from opendit import kernels
 from opendit.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import sincos_2d
+from opendit.parallel import SequenceParallel
 
 
 class AdaLNNorm(nn.Module):
@@ -79,6 +80,7 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.sequence_parallel = None  # an opendit.parallel.SequenceParallel hook when the sequence is split
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -113,6 +115,16 @@ class DiT(nn.Module):
             elif isinstance(m, Attention):
                 m.attn_backend = attn_backend
 
+    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
+        """Split every sample's tokens over the ranks of `group` ("fastseq", "ulysses" or "auto"); None turns
+        it off. Every rank of the group must get the same x, t, y (and noise). Returns the hook."""
+        sp = None if group is None else SequenceParallel(group, kind, counter)
+        self.sequence_parallel = sp
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.sequence_parallel = sp
+        return sp
+
     def unpatchify(self, x):
         """[B, N, p*p*C] -> [B, C, H, W]."""
         c, p = self.out_channels, self.patch_size
@@ -128,9 +140,15 @@ class DiT(nn.Module):
 
     def forward(self, x, t, y):
         tokens, c = self.embed(x, t, y)
+        sp = self.sequence_parallel
+        if sp is not None:
+            tokens = sp.split(tokens)  # [B, N, D] -> this rank's [B, ceil(N/P), D]
         for block in self.blocks:
             tokens = block(tokens, c)
-        return self.unpatchify(self.final_layer(tokens, c))
+        out = self.final_layer(tokens, c)
+        if sp is not None:
+            out = sp.gather(out)  # -> [B, N, p*p*C] on every rank
+        return self.unpatchify(out)
 
     def forward_with_cfg(self, x, t, y, cfg_scale: float, cfg_channels: int | None = None):
         """Classifier-free guidance. x holds [cond half; uncond half] (the second half's y is the null class).
