@@ -24,7 +24,7 @@ def _norm_fwd(X, Y, W, Bias, Shift, Scale, Mean, Rstd, N, C, eps,
     mask = cols < C
     x = tl.load(X + row * C + cols, mask=mask, other=0.0).to(tl.float32)
     if RMS:
-        mean = 0.0
+        mean = 0.0  # not stored
         xc = x
     else:
         mean = tl.sum(x, axis=0) / C
@@ -41,7 +41,8 @@ def _norm_fwd(X, Y, W, Bias, Shift, Scale, Mean, Rstd, N, C, eps,
         shift = tl.load(Shift + b * C + cols, mask=mask, other=0.0).to(tl.float32)
         y = y * (1.0 + scale) + shift
     tl.store(Y + row * C + cols, y, mask=mask)  # store casts to Y's dtype
-    tl.store(Mean + row, mean)
+    if not RMS:
+        tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
 
 
@@ -76,8 +77,11 @@ def _norm_bwd(X, DY, DX, W, Bias, Scale, Mean, Rstd, DW, DB, DScale, DShift, N, 
         x = tl.load(X + row * C + cols, mask=m, other=0.0).to(tl.float32)
         dout = tl.load(DY + row * C + cols, mask=m, other=0.0).to(tl.float32)
         safe_row = b * N + tl.minimum(n, N - 1)
-        mean = tl.load(Mean + safe_row)
         rstd = tl.load(Rstd + safe_row)
+        if RMS:
+            mean = 0.0  # RMSNorm does not centre; Mean was never written
+        else:
+            mean = tl.load(Mean + safe_row)
         xhat = tl.where(m, (x - mean) * rstd, 0.0)
         dy = dout
         if MODULATE:
