@@ -101,9 +101,12 @@ def sample_batch(model, vae, diffusion, indices: range, labels: list[int], cfg: 
     if guided:
         z = torch.cat([z, z])
         y = torch.cat([y, torch.full_like(y, settings["num_classes"])])
-        kwargs, fn = dict(y=y, cfg_scale=cfg.cfg_scale), model.forward_with_cfg
+        kwargs, net = dict(y=y, cfg_scale=cfg.cfg_scale), model.forward_with_cfg
     else:
-        kwargs, fn = dict(y=y), model.forward
+        kwargs, net = dict(y=y), model.forward
+
+    def fn(x, t, **kw):  # the sampler's math stays fp32 whatever the model's compute dtype
+        return net(x, t, **kw).float()
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.mixed_precision]
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         if cfg.sampler == "ddpm":
