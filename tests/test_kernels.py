@@ -244,6 +244,26 @@ def test_bad_shapes_name_the_input():
         kernels.apply_rope(torch.randn(2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 4))
 
 
+
+def test_kernels_inside_torch_compile_match_eager():
+    """The booster compiles blocks that call these; the kernels run between graphs, results unchanged."""
+    torch.manual_seed(13)
+
+    def block(x, shift, scale, gate, y, cos, sin):
+        h = kernels.rms_norm(kernels.layernorm_modulate(x, shift, scale, use_kernel=True), use_kernel=True)
+        h = kernels.apply_rope(h.view(2, 5, 2, 36).transpose(1, 2), cos, sin, use_kernel=True)
+        return kernels.gated_residual(x, gate, h.transpose(1, 2).reshape(2, 5, 72) * y, use_kernel=True)
+
+    ang = _angles(5, 18)
+    args = [_leaf(2, 5, 72), _leaf(2, 72), _leaf(2, 72), _leaf(2, 72), _randn(2, 5, 72), ang.cos(), ang.sin()]
+    leaves = args[:4]
+    eager = block(*args)
+    compiled = torch.compile(block, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, eager, **FWD_TOL)
+    dout = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(compiled, leaves, dout), torch.autograd.grad(eager, leaves, dout)):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_on_cuda_matches_fp32_reference(name):

@@ -9,7 +9,6 @@ otherwise the reference runs (logged once per function). `kernel_status()` says 
 Shapes: x [B, N, C] (or [B, *, C]: every token of sample b uses row b); shift / scale / gate
 [B, C] (or [B, 1, C]); weight / bias [C]; RoPE: x [B, H, N, D], freqs [N, D/2] or [B, N, D/2].
 """
-import functools
 import logging
 import os
 
@@ -23,25 +22,32 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_FUSED_COLS = 16384  # a norm kernel keeps one row in registers; wider rows use the reference
 
 
-@functools.lru_cache(maxsize=None)
+# Optional imports, probed once. A dict rather than functools.lru_cache: torch.compile traces
+# these lookups and warns on lru_cache wrappers.
+_probed = {}
+
+
 def _triton_version():
     """Triton's version string, or None with the reason logged (it is an optional dependency)."""
-    try:
-        import triton
-    except Exception as e:  # ImportError, or a broken install raising something else
-        logger.info("triton not importable (%s): kernels fall back to PyTorch", e)
-        return None
-    return triton.__version__
+    if "triton" not in _probed:
+        try:
+            import triton
+            _probed["triton"] = triton.__version__
+        except Exception as e:  # ImportError, or a broken install raising something else
+            logger.info("triton not importable (%s): kernels fall back to PyTorch", e)
+            _probed["triton"] = None
+    return _probed["triton"]
 
 
-@functools.lru_cache(maxsize=None)
 def _apex_layer_norm():
     """(fused_layer_norm, fused_layer_norm_affine) from apex, or None when apex is absent."""
-    try:
-        from apex.normalization.fused_layer_norm import fused_layer_norm, fused_layer_norm_affine
-    except Exception:
-        return None
-    return fused_layer_norm, fused_layer_norm_affine
+    if "apex" not in _probed:
+        try:
+            from apex.normalization.fused_layer_norm import fused_layer_norm, fused_layer_norm_affine
+            _probed["apex"] = (fused_layer_norm, fused_layer_norm_affine)
+        except Exception:
+            _probed["apex"] = None
+    return _probed["apex"]
 
 
 def _interpret() -> bool:

@@ -9,7 +9,6 @@ Backends, fastest first:
 Masks follow SDPA: bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
 `resolve_attention_backend` picks the backend once at start-up and logs why.
 """
-import functools
 import logging
 import math
 
@@ -22,9 +21,17 @@ BACKENDS = ("flash", "sdpa", "math")
 _warned = set()
 
 
-@functools.lru_cache(maxsize=None)
+_probed = {}  # a dict, not functools.lru_cache: torch.compile traces this and warns on lru_cache
+
+
 def _flash_fn():
     """(flash_attn_func, "FA3" | "FA2"), or (None, reason). FA3 needs a Hopper GPU (sm_90)."""
+    if "flash" not in _probed:
+        _probed["flash"] = _import_flash()
+    return _probed["flash"]
+
+
+def _import_flash():
     if not torch.cuda.is_available():
         return None, "CUDA is not available"
     if torch.cuda.get_device_capability()[0] == 9:

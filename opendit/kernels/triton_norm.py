@@ -167,6 +167,9 @@ def _ptr(t, fallback):
     return fallback if t is None else t.contiguous()
 
 
+# torch.compile must not trace into Triton's launcher (it fails on the CPU interpreter and is
+# untested on GPU): under compile the kernel runs eagerly between two graphs.
+@torch.compiler.disable
 def norm(x, weight=None, bias=None, shift=None, scale=None, eps=1e-6, rms=False):
     """Entry point used by opendit.kernels; arguments are already validated there."""
     return NormFn.apply(x, weight, bias, shift, scale, float(eps), rms)

@@ -78,6 +78,7 @@ class GatedResidualFn(torch.autograd.Function):
         return dout.to(x_dtype), parts.sum(1).to(g.dtype), dy
 
 
+@torch.compiler.disable  # see triton_norm.norm: keep torch.compile out of Triton's launcher
 def gated_residual(x, gate, y):
     return GatedResidualFn.apply(x, gate, y)
 
@@ -136,6 +137,7 @@ class RopeFn(torch.autograd.Function):
         return _rope_launch(dout, cos, sin, -1.0, ctx.x_dtype), None, None
 
 
+@torch.compiler.disable
 def apply_rope(x, freqs_cos, freqs_sin):
     """x [B, H, N, D]; freqs [N, D/2] or [B, N, D/2] (validated by the caller); no grad for freqs."""
     return RopeFn.apply(x, freqs_cos.contiguous(), freqs_sin.contiguous())
