@@ -1,0 +1,168 @@
+"""Plugins: how a model is made data-parallel. `build_plugin(name, ...)` is what `--plugin` selects.
+
+    ddp              DistributedDataParallel; fp32 params, torch.autocast for bf16/fp16
+    zero2            fully_shard(reshard_after_forward=False): params gathered once per step
+    zero3 / fsdp     fully_shard(reshard_after_forward=True): params gathered block by block
+    hsdp             fully_shard on a (replicate, shard) mesh
+    gemini           zero3 with params, grads and optimizer states on the CPU (CPUOffloadPolicy)
+
+Every plugin applies, block by block, activation checkpointing, then compile, then (sharded plugins)
+fully_shard; the root module last.
+"""
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from opendit.booster import parallelize as par
+from opendit.booster.mesh import PLUGIN_NAMES, mesh_shape, shard_mesh, validate_parallel_config
+from opendit.booster.precision import compute_dtype, fsdp_policy
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Plugin:
+    """Settings shared by every plugin. compile: False, True (inductor) or a torch.compile backend name."""
+
+    name = "base"
+    sharded = False
+
+    def __init__(self, mixed_precision: str = "fp32", dp_replicate: int = 1, sp_size: int = 1,
+                 grad_checkpoint: int = 0, compile: bool | str = False, device: torch.device | str | None = None,
+                 reduce_dtype: str = "fp32"):
+        # world-independent checks now; the world-size checks run in validate() once a group exists
+        validate_parallel_config(self.name, sp_size * dp_replicate, dp_replicate, sp_size, mixed_precision,
+                                 int(grad_checkpoint) if isinstance(grad_checkpoint, bool) else grad_checkpoint)
+        compute_dtype(reduce_dtype)
+        self.mixed_precision = mixed_precision
+        self.dp_replicate, self.sp_size = dp_replicate, sp_size
+        self.grad_checkpoint = int(grad_checkpoint)
+        self.compile_backend = "inductor" if compile is True else (compile or None)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.reduce_dtype = reduce_dtype
+
+    def validate(self, world_size: int) -> None:
+        validate_parallel_config(self.name, world_size, self.dp_replicate, self.sp_size, self.mixed_precision,
+                                 self.grad_checkpoint)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        return mesh_shape(self.name, world_size, self.dp_replicate, self.sp_size)
+
+    def prepare_blocks(self, model: nn.Module) -> None:
+        """Activation checkpointing, then compile, on each block (keys unchanged)."""
+        par.apply_activation_checkpointing(model, self.grad_checkpoint)
+        if self.compile_backend:
+            par.apply_compile(model, self.compile_backend)
+
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        raise NotImplementedError
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: nn.Module):
+        raise NotImplementedError
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(mixed_precision={self.mixed_precision!r}, dp_replicate={self.dp_replicate}, "
+                f"sp_size={self.sp_size}, grad_checkpoint={self.grad_checkpoint}, "
+                f"compile={self.compile_backend!r}, device={str(self.device)!r})")
+
+
+class DDPPlugin(Plugin):
+    name = "ddp"
+
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        self.prepare_blocks(model)
+        model.to(self.device)  # in place: the Parameter objects (and the optimizer's references) survive
+        # the whole world is one replica group: dp_shard is 1, and SP ranks average their chunk gradients too
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids, process_group=None)
+
+    def autocast(self):
+        if self.mixed_precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=compute_dtype(self.mixed_precision))
+
+    def no_sync(self, model: nn.Module):
+        if not isinstance(model, DDP):
+            raise TypeError("no_sync needs the model returned by booster.boost (a DistributedDataParallel)")
+        return model.no_sync()
+
+
+class FSDPPlugin(Plugin):
+    """FSDP2 sharding; subclasses choose resharding, the mesh and offloading."""
+
+    name = "zero3"
+    sharded = True
+    reshard_after_forward = True
+    replicate = False  # HSDP: shard within dp_shard, replicate across dp_replicate
+    offload = False
+
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        self.prepare_blocks(model)
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.offload else None
+        return par.apply_fully_shard(
+            model, shard_mesh(mesh, self.replicate), self.reshard_after_forward,
+            fsdp_policy(self.mixed_precision, self.reduce_dtype),
+            fsdp_policy(self.mixed_precision, self.reduce_dtype, root=True), offload)
+
+    def no_sync(self, model: nn.Module):
+        if not isinstance(model, FSDPModule):
+            raise TypeError("no_sync needs the model returned by booster.boost (an FSDP module)")
+        return _fsdp_no_sync(model)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule):
+    """Micro-steps accumulate unsharded gradients locally (in reduce_dtype); the next synced backward
+    reduce-scatters the sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class Zero2Plugin(FSDPPlugin):
+    name = "zero2"
+    reshard_after_forward = False
+
+
+class Zero3Plugin(FSDPPlugin):
+    name = "zero3"
+
+
+class HSDPPlugin(FSDPPlugin):
+    name = "hsdp"
+    replicate = True
+
+
+class GeminiPlugin(FSDPPlugin):
+    name = "gemini"
+    offload = True
+
+
+PLUGINS = {"ddp": DDPPlugin, "zero2": Zero2Plugin, "zero3": Zero3Plugin, "fsdp": Zero3Plugin,
+           "hsdp": HSDPPlugin, "gemini": GeminiPlugin}
+assert set(PLUGINS) == set(PLUGIN_NAMES)
+
+
+def build_plugin(name: str, mixed_precision: str = "fp32", dp_replicate: int = 1, sp_size: int = 1,
+                 grad_checkpoint: int = 0, compile: bool | str = False, device=None,
+                 reduce_dtype: str = "fp32") -> Plugin:
+    if name not in PLUGINS:
+        raise ValueError(f"unknown plugin {name!r}; valid plugins: {', '.join(PLUGINS)}")
+    return PLUGINS[name](mixed_precision=mixed_precision, dp_replicate=dp_replicate, sp_size=sp_size,
+                         grad_checkpoint=grad_checkpoint, compile=compile, device=device, reduce_dtype=reduce_dtype)
