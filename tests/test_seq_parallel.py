@@ -1,0 +1,71 @@
+"""Sequence-parallel planning on one process: flag validation, default method, analytic volumes.
+
+The multi-rank equivalence tests are in test_seq_parallel_dist.py.
+"""
+import copy
+
+import pytest
+import torch
+
+from opendit.models.dit import DiT
+from opendit.models.layers import Attention
+from opendit.parallel import comm_bytes_per_layer, default_sp_kind, padded_len, validate_sp
+
+
+def test_validate_sp_resolves_auto_and_keeps_explicit_kinds():
+    assert validate_sp(8, 2, "auto", 16) == "fastseq"
+    assert validate_sp(8, 4, "auto", 16) == "ulysses"
+    assert validate_sp(8, 8, "fastseq", 16) == "fastseq"
+    assert validate_sp(4, 2, "ulysses", 6) == "ulysses"
+    assert validate_sp(3, 1, "auto", 5) == "fastseq"  # size 1: SP off, any head count
+
+
+@pytest.mark.parametrize("world, sp, kind, heads, words", [
+    (6, 4, "ulysses", 16, "does not divide the world size 6"),
+    (8, 4, "ulysses", 6, "does not divide the model's 6 attention heads"),
+    (8, 2, "ring", 16, "'ring' is unknown"),
+    (8, 0, "fastseq", 16, "positive integer"),
+])
+def test_validate_sp_names_the_bad_input(world, sp, kind, heads, words):
+    with pytest.raises(ValueError, match=words):
+        validate_sp(world, sp, kind, heads)
+
+
+def test_head_error_lists_the_sizes_that_work():
+    with pytest.raises(ValueError) as e:
+        validate_sp(8, 4, "fastseq", 6)
+    assert "[1, 2]" in str(e.value)
+
+
+def test_padded_len():
+    assert [padded_len(n, 4) for n in (1, 4, 9, 16)] == [4, 4, 12, 16]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6, 8])
+def test_volumes_follow_the_closed_form_and_default_picks_the_smaller(P):
+    N, D = 48 * P, 24 * P
+    fast = comm_bytes_per_layer("fastseq", P, N, D, backward=False)
+    ulys = comm_bytes_per_layer("ulysses", P, N, D, backward=False)
+    # FastSeq: (P-1)/P + (P-1)/P^2 of N*D*4 bytes; Ulysses: 4 (P-1)/P^2. Their ratio is (P+1)/4.
+    assert fast * 4 == ulys * (P + 1)
+    assert fast * P * P == (P - 1) * (P + 1) * N * D * 4
+    assert comm_bytes_per_layer("ulysses", P, N, D) == 2 * ulys  # backward mirrors forward
+    chosen = {"fastseq": fast, "ulysses": ulys}[default_sp_kind(P)]
+    assert chosen == min(fast, ulys)
+
+
+def test_volume_counts_padding_and_rejects_unknown_kind():
+    assert comm_bytes_per_layer("ulysses", 4, 9, 8) == comm_bytes_per_layer("ulysses", 4, 12, 8)
+    with pytest.raises(ValueError, match="unknown"):
+        comm_bytes_per_layer("ring", 2, 8, 8)
+
+
+def test_dit_without_sp_is_untouched_and_can_be_turned_off():
+    torch.manual_seed(0)
+    model = DiT(input_size=8, hidden_size=32, depth=1, num_heads=4, num_classes=10).eval()
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([1, 500]), torch.tensor([0, 9])
+    before = model(x, t, y)
+    assert model.enable_sequence_parallel(None) is None
+    assert all(m.sequence_parallel is None for m in model.modules() if isinstance(m, Attention))
+    assert torch.equal(model(x, t, y), before)
+    assert torch.equal(copy.deepcopy(model)(x, t, y), before)
