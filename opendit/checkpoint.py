@@ -1,0 +1,334 @@
+"""Checkpoints: one torch.distributed.checkpoint (DCP) directory per step, resumable at any world size or
+plugin, plus single-file safetensors exports for sample.py.
+
+A step directory root/step-000100 holds:
+  .metadata, *.distcp   DCP: {"model", "optim", "ema"} in one FQN layout (official keys, no wrapper
+                        prefixes; FSDP2 DTensors are saved sharded, DDP/plain tensors whole), so it
+                        loads under ddp, zero2/zero3/hsdp or a single process, at any world size
+  trainer.pt            step, lr scheduler state, rank 0's `extra`
+  ranks/rank-00003.pt   each rank's RNG states (torch CPU, CUDA, numpy, python) and its own `extra`
+                        (data position differs per rank; resolved config, ...)
+  meta.json             step, world size, what is inside (for people and for resolve_checkpoint)
+
+It is written as root/.tmp-step-000100 and renamed by rank 0 after every rank finished, so a crash mid-save
+never leaves a step-* directory that does not load; `.tmp-*` leftovers are ignored and removed by the next
+save. After the rename, all but the newest `keep_last` step directories are deleted.
+"""
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
+
+from opendit.ema import ShardedEMA
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_REQUIRED = (".metadata", "trainer.pt", "meta.json", "ranks")
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _missing(path: str) -> list[str]:
+    return [name for name in _REQUIRED if not os.path.exists(os.path.join(path, name))]
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Complete step directories under root as [(step, path)], oldest first; `.tmp-*` dirs are skipped."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isdir(path) and not _missing(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(path_or_latest: str | None, root: str | None = None) -> str:
+    """'latest' (or None) -> the newest complete step directory under root; a path -> that directory,
+    checked to be complete. Raises FileNotFoundError naming the path and what is missing."""
+    if path_or_latest in (None, "latest"):
+        if root is None:
+            raise ValueError("resolve_checkpoint('latest') needs root= (the run's checkpoint folder)")
+        found = list_checkpoints(root)
+        if not found:
+            listing = sorted(os.listdir(root)) if os.path.isdir(root) else "folder does not exist"
+            raise FileNotFoundError(f"no complete checkpoint (step-* with {', '.join(_REQUIRED)}) under {root!r}; "
+                                    f"it holds: {listing}. Start without resume or pass a checkpoint path")
+        return found[-1][1]
+    path = str(path_or_latest)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} is not a directory; pass a step-* directory or 'latest'")
+    missing = _missing(path)
+    if missing:
+        raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing} (a save interrupted "
+                                "before its rename?); pass another step directory or 'latest'")
+    return path
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's current device
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _seed_fallback(step: int, rank: int) -> None:
+    """Deterministic RNG for a rank that has no saved state (resumed at a larger world size)."""
+    seed = (step * 1_000_003 + rank * 7919) % (2**31)
+    torch.manual_seed(seed)  # seeds CUDA too
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _check_args(optimizer, ema, lr_scheduler) -> None:
+    for name, obj, kind in (("optimizer", optimizer, torch.optim.Optimizer), ("ema", ema, ShardedEMA),
+                            ("lr_scheduler", lr_scheduler, torch.optim.lr_scheduler.LRScheduler)):
+        if obj is not None and not isinstance(obj, kind):
+            raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(obj).__name__} "
+                            "(arguments in the wrong order? pass them by keyword)")
+
+
+def _app_state(model, optimizer, ema) -> dict:
+    """The DCP state dict: sharded (DTensor) or plain tensors, keyed by official FQNs."""
+    options = StateDictOptions()
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=options)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optim": optim_sd}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+def _clean_tmp(root: str, keep: str | None = None) -> None:
+    """Remove `.tmp-*` leftovers of interrupted saves or deletions (rank 0 only)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".tmp-") and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune(root: str, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete step dirs. Each is renamed to .tmp-del-* before rmtree, so a
+    deletion cut short leaves an ignored .tmp-* dir, never a half-deleted step-* dir."""
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        doomed = os.path.join(root, ".tmp-del-" + os.path.basename(path))
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_trainer_files(tmp: str, step: int, lr_scheduler, extra: dict | None, has_ema: bool) -> None:
+    """Rank 0: trainer.pt (scheduler, extra) and meta.json; written before the rename like the rest."""
+    trainer = {"step": step, "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+               "extra": extra or {}}
+    torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+    world = dist.get_world_size() if _dist() else 1
+    meta = {"step": step, "world_size": world, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "has_ema": has_ema, "has_lr_scheduler": lr_scheduler is not None, "extra_keys": sorted(extra or {})}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_scheduler=None,
+                    extra: dict | None = None, keep_last: int | None = None) -> str:
+    """Save everything needed to resume at `step` into root/step-XXXXXX and return that path.
+
+    A collective: call on every rank. `extra` is a picklable dict, saved per rank (each rank's data
+    position may differ): data sampler state, resolved config dict, ... `keep_last`: keep only the newest K step dirs (None:
+    keep all). Writes under root/.tmp-step-XXXXXX; rank 0 renames it after all ranks have written.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    _check_args(optimizer, ema, lr_scheduler)
+    final = os.path.join(root, step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        _clean_tmp(root)
+        os.makedirs(os.path.join(tmp, "ranks"))
+    _barrier()
+    dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, no_dist=not _dist())
+    torch.save({"rng": _rng_state(), "extra": extra or {}}, _rank_file(tmp, _rank()))
+    if _rank() == 0:
+        _write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None)
+    _barrier()  # every rank's files are in tmp
+    if _rank() == 0:
+        if os.path.exists(final):  # re-saving a step: move the old one aside first (rename cannot overwrite)
+            os.replace(final, os.path.join(root, ".tmp-old-" + step_dir_name(step)))
+        os.replace(tmp, final)
+        if keep_last is not None:
+            _prune(root, keep_last)
+        _clean_tmp(root)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=None) -> tuple[int, dict]:
+    """Restore a step directory (from save_checkpoint, any world size or plugin) into the given objects.
+
+    A collective: call on every rank, with the objects already wrapped (booster.boost) and the EMA built.
+    Restores this rank's RNG states; a rank that did not exist at save time gets a deterministic seed from
+    (step, rank), rank 0's `extra` and a warning. Returns (step, this rank's extra).
+    """
+    _check_args(optimizer, ema, lr_scheduler)
+    path = resolve_checkpoint(path)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if ema is not None and not meta["has_ema"]:
+        raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
+    state = _app_state(model, optimizer, ema)
+    dcp.load(state, checkpoint_id=path, no_dist=not _dist())
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=StateDictOptions())
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions())
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
+    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=False)
+    if lr_scheduler is not None:
+        if trainer["lr_scheduler"] is None:
+            raise ValueError(f"checkpoint {path!r} has no lr scheduler state; pass lr_scheduler=None")
+        lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+    return trainer["step"], _restore_rank_state(path, trainer, meta["world_size"])
+
+
+def _rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, "ranks", f"rank-{rank:05d}.pt")
+
+
+def _restore_rank_state(path: str, trainer: dict, saved_world: int) -> dict:
+    """Set this rank's RNG states from the checkpoint and return its `extra`."""
+    rank_file = _rank_file(path, _rank())
+    if os.path.exists(rank_file):
+        state = torch.load(rank_file, map_location="cpu", weights_only=False)
+        _set_rng_state(state["rng"])
+        return state["extra"]
+    log.warning("checkpoint %s was saved by %d ranks and has no state for rank %d; seeding its RNG from "
+                "(step, rank) and giving it rank 0's extra, so its random draws and data differ from the "
+                "original run", path, saved_world, _rank())
+    _seed_fallback(trainer["step"], _rank())
+    return trainer["extra"]
+
+
+def _sidecar(path: str) -> str:
+    return os.path.splitext(path)[0] + ".json"
+
+
+def export_weights(path: str, state_dict: dict[str, torch.Tensor], metadata: dict | None = None) -> str | None:
+    """Write {fqn: full tensor} to one .safetensors file (+ a .json sidecar with `metadata`, e.g. model name
+    and config) via a temporary name and a rename. No collective inside: only rank 0 writes, other ranks
+    return None, so it may be called on all ranks or on rank 0 alone."""
+    if _rank() != 0:
+        return None
+    from safetensors.torch import save_file
+
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"export path {path!r} must end with .safetensors")
+    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor) or isinstance(v, DTensor)]
+    if bad:
+        raise TypeError(f"export_weights needs full plain tensors; {bad[:3]} are not (gather DTensors first, "
+                        "e.g. ShardedEMA.full_state_dict())")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # safetensors refuses shared or strided storage: give each tensor its own contiguous CPU copy.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    if metadata is not None:
+        with open(_sidecar(path) + ".tmp", "w") as f:
+            json.dump(metadata, f, indent=1, default=str)
+        os.replace(_sidecar(path) + ".tmp", _sidecar(path))
+    os.replace(tmp, path)
+    return path
+
+
+def export_ema(ema: ShardedEMA, path: str, metadata: dict | None = None) -> str | None:
+    """Gather a ShardedEMA and export it (a collective: call on every rank); rank 0 writes the file."""
+    weights = ema.full_state_dict(rank0_only=True)
+    out = export_weights(path, weights, metadata)
+    _barrier()  # the file exists on return, on every rank
+    return out
+
+
+def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
+    """Full tensors of one top-level entry ("ema" or "model") of a step directory, in this process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = key + "."
+    state = {fqn[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
+             for fqn, md in metadata.state_dict_metadata.items()
+             if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not state:
+        raise KeyError(f"checkpoint {path!r} holds no {key!r} weights; use key='model' or another checkpoint")
+    dcp.load({key: state}, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def load_weights(path: str, key: str | None = None) -> dict[str, torch.Tensor]:
+    """{official fqn: tensor} on the CPU from a .safetensors export, an official DiT .pt (a plain state_dict
+    or a training checkpoint {"model", "ema", ...}) or a step directory. `key` picks "ema" or "model";
+    default: the EMA when the file has one (sampling wants the EMA). No collective inside."""
+    if os.path.isdir(path):
+        with open(os.path.join(resolve_checkpoint(path), "meta.json")) as f:
+            has_ema = json.load(f)["has_ema"]
+        return _load_dcp_weights(path, key or ("ema" if has_ema else "model"))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file {path!r} does not exist")
+    if path.endswith(".safetensors"):
+        if key is not None:
+            raise ValueError(f"{path!r} is a single-weights file; key={key!r} applies to .pt or step directories")
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    with torch.serialization.safe_globals([argparse.Namespace]):  # DiT's train.py stores its args
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict) and ("ema" in obj or "model" in obj):
+        chosen = key or ("ema" if "ema" in obj else "model")
+        if chosen not in obj:
+            raise KeyError(f"{path!r} has entries {sorted(obj)}; no {chosen!r}")
+        obj = obj[chosen]
+    elif key is not None:
+        raise ValueError(f"{path!r} is a plain state_dict; it has no {key!r} entry, pass key=None")
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path!r} does not hold a state_dict of tensors")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
