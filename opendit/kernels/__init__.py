@@ -65,6 +65,8 @@ def _why_not_kernel(x, *others):
             return f"dtype {t.dtype} is not fp16/bf16/fp32"
         if t is not None and t.device != x.device:
             return "tensors are on different devices"
+    if x.numel() == 0:
+        return "x is empty"
     if x.shape[-1] > _MAX_FUSED_COLS:
         return f"last dim {x.shape[-1]} > {_MAX_FUSED_COLS}"
     return None
