@@ -42,8 +42,9 @@ class Booster:
             torch.cuda.set_device(self.device)
         self.mesh = build_mesh(self.device, plugin.mesh_shape(world))
         self.dp_size, self.dp_rank = dp_coordinates(self.mesh)
-        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]  # 2-D: the data-parallel ranks
-        self.dp_group = self.dp_mesh._flatten("dp").get_group()
+        # 1-D mesh over the data-parallel ranks (replicate x shard flattened, in dp_rank order); SP excluded
+        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.dp_group = self.dp_mesh.get_group()
         self.sp_group = self.mesh["sp"].get_group() if plugin.sp_size > 1 else None
         self.scaler = DynamicLossScaler(device=self.device) if plugin.mixed_precision == "fp16" else None
 

@@ -1,0 +1,167 @@
+"""Per-rank bytes of parameters, gradients, optimizer states and EMA under each plugin, at several world sizes.
+
+    python benchmarks/memory.py                                  # DiT-XL/2 at 256px, world sizes 1 2 4 8
+    python benchmarks/memory.py --model DiT-B/2 --world_sizes 1 2 --materialize
+
+Each world size is a spawned gloo group on the CPU. Every rank builds the model on the meta device, boosts
+it with the plugin's real transforms (fully_shard on the real mesh), gives every trainable parameter a zero
+gradient shaped like it, takes one AdamW step (which creates the real optimizer states) and builds the
+opendit.ema.ShardedEMA; the bytes are numel x itemsize of this rank's local tensors (DTensor shards).
+Meta tensors have real shapes and dtypes but no storage, so 8 ranks x DiT-XL/2 fit in a laptop's RAM;
+--materialize allocates the sharded plugins' tensors (to_empty on the CPU) to show the numbers are the same.
+
+ddp is measured on the plain (unwrapped) model: its parameters, gradients (DDP's buckets, with
+gradient_as_bucket_view) and optimizer states are full replicas, the same at every world size; only its EMA
+is partitioned. `gathered` is the most parameter memory FSDP unshards at once during forward/backward, in the
+compute dtype: zero2 keeps every parameter gathered for the step; zero3/hsdp/gemini gather the root's own
+parameters plus two blocks (the running one and the prefetched next). gemini keeps params, grads, optimizer
+states and EMA on the CPU, so its accelerator memory is the `gathered` column alone.
+"""
+import argparse
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from opendit.booster import Booster, build_plugin  # noqa: E402
+from opendit.booster import parallelize as par  # noqa: E402
+from opendit.booster.precision import compute_dtype  # noqa: E402
+from opendit.models import build_model  # noqa: E402
+
+GiB = 2 ** 30
+COLUMNS = ("params", "grads", "optim", "ema")
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def gathered_bytes(model: torch.nn.Module, plugin: str, dtype: torch.dtype) -> int:
+    """Peak unsharded parameter bytes during a step (see the module docstring)."""
+    if plugin == "ddp":
+        return 0
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    blocks = list(par.iter_blocks(model))
+    block_numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in model.parameters())
+    if plugin == "zero2":
+        return total * itemsize
+    root = total - sum(block_numels)
+    return (root + 2 * max(block_numels)) * itemsize
+
+
+def measure(plugin: str, model_name: str, model_kwargs: dict, precision: str, materialize: bool) -> dict:
+    """This rank's bytes under `plugin` (model built on meta; see the module docstring)."""
+    world = dist.get_world_size()
+    booster = Booster(build_plugin(plugin, mixed_precision=precision, dp_replicate=2 if plugin == "hsdp" else 1,
+                                   device="cpu"))
+    with torch.device("meta"):
+        model = build_model(model_name, **model_kwargs)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if plugin != "ddp":
+        names = par.parameter_names(model)
+        model = booster.plugin.parallelize(model, booster.mesh)
+        if materialize:
+            model.to_empty(device="cpu")
+        par.rebind_optimizer(optimizer, names, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # creates exp_avg / exp_avg_sq (sharded like the params) and the step counters
+    out = {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in trainable),
+           "optim": local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+           "gathered": gathered_bytes(model, plugin, compute_dtype(precision)), "world": world}
+    out["ema"] = ema_bytes(model, booster)
+    return out
+
+
+def ema_bytes(model, booster) -> int:
+    try:
+        from opendit.ema import ShardedEMA
+    except ImportError:  # no sharded EMA yet: count one fp32 copy of this rank's parameters
+        return sum(t.numel() * 4 for t in (p.to_local() if hasattr(p, "to_local") else p
+                                           for p in model.parameters()))
+    return ShardedEMA(model, decay=0.9999, dp_group=booster.dp_mesh).local_bytes()
+
+
+def _rank_main(rank, world, port, out_dir, plugins, model_name, model_kwargs, precision, materialize):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = {}
+        for plugin in plugins:
+            if plugin == "hsdp" and world % 2:
+                continue  # needs dp_replicate=2 to differ from zero3
+            mine = measure(plugin, model_name, model_kwargs, precision, materialize)
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            rows[plugin] = {k: max(r[k] for r in every) for k in mine}  # the heaviest rank
+        if rank == 0:
+            torch.save(rows, os.path.join(out_dir, f"{world}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, plugins, model_name, model_kwargs, precision, materialize) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank_main, args=(world, port, out_dir, plugins, model_name, model_kwargs, precision, materialize),
+                 nprocs=world, join=True)
+        return torch.load(os.path.join(out_dir, f"{world}.pt"))
+
+
+def format_table(results: dict, plugins) -> str:
+    """Markdown: one row per (plugin, world size); GiB per rank, the heaviest rank."""
+    lines = ["| plugin | ranks | params | grads | optimizer | EMA | total | gathered in step | held on |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for plugin in plugins:
+        for world, rows in results.items():
+            if plugin not in rows:
+                continue
+            r = rows[plugin]
+            total = sum(r[c] for c in COLUMNS)
+            cells = [f"{r[c] / GiB:.2f}" for c in COLUMNS] + [f"{total / GiB:.2f}", f"{r['gathered'] / GiB:.2f}"]
+            where = "CPU (+ gathered on GPU)" if plugin == "gemini" else "GPU"
+            lines.append(f"| {plugin} | {world} | " + " | ".join(cells) + f" | {where} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="DiT-XL/2")
+    ap.add_argument("--image_size", type=int, default=256, help="pixels; the latent is image_size / 8")
+    ap.add_argument("--num_classes", type=int, default=1000)
+    ap.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--plugins", nargs="+", default=["ddp", "zero2", "zero3", "hsdp", "gemini"])
+    ap.add_argument("--mixed_precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--materialize", action="store_true", help="allocate the sharded tensors (needs RAM)")
+    args = ap.parse_args()
+    if args.image_size % 8:
+        raise SystemExit(f"--image_size {args.image_size} must be a multiple of 8 (the VAE downsamples by 8)")
+    model_kwargs = dict(input_size=args.image_size // 8, in_channels=4, num_classes=args.num_classes)
+    results = {}
+    for world in args.world_sizes:
+        print(f"measuring {len(args.plugins)} plugins at {world} rank(s)...", flush=True)
+        results[world] = run_world(world, args.plugins, args.model, model_kwargs, args.mixed_precision,
+                                   args.materialize)
+    print(f"\n{args.model} at {args.image_size}px, AdamW, fp32 master weights and EMA, "
+          f"{args.mixed_precision} compute; GiB per rank (heaviest rank)\n")
+    print(format_table(results, args.plugins))
+
+
+if __name__ == "__main__":
+    main()
