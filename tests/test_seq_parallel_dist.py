@@ -55,8 +55,13 @@ def _random_dit(input_size):
     return model
 
 
-def _dit_case(group, input_size, kind):
-    """A whole DiT forward/backward with the same (replicated) loss on every rank of the group."""
+def _dit_case(group, input_size, kind, checkpoint=False):
+    """A whole DiT forward/backward with the same (replicated) loss on every rank of the group.
+
+    checkpoint: wrap the blocks in activation checkpointing, whose recompute re-runs the collectives.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     model = _random_dit(input_size)
     torch.manual_seed(1)
     x, t, y = torch.randn(2, 4, input_size, input_size), torch.randint(0, 1000, (2,)), torch.tensor([3, 7])
@@ -66,9 +71,13 @@ def _dit_case(group, input_size, kind):
     ((ref_out - target) ** 2).mean().backward()
 
     model.enable_sequence_parallel(group, kind)
+    if checkpoint:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
     out = model(x, t, y)
     ((out - target) ** 2).mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+             for n, p in model.named_parameters() if p.grad is not None}
     for g in grads.values():
         dist.all_reduce(g, group=group)  # the SUM over the group; the test checks SUM / P == unsplit
     ref = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
@@ -83,6 +92,7 @@ def _sp_worker(rank, world_size):
             res["attn"][kind, N] = _attention_case(group, N, kind)
         for size in (8, 6):  # 16 and 9 tokens
             res["dit"][kind, size] = _dit_case(group, size, kind)
+        res["dit"][kind, "6+AC"] = _dit_case(group, 6, kind, checkpoint=True)
     return res
 
 
