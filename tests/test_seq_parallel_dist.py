@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from opendit.models.dit import DiT
 from opendit.models.layers import Attention
-from opendit.parallel import CommCounter, SequenceParallel
+from opendit.parallel import CommCounter, SequenceParallel, broadcast_from_first
 from tests.distributed import run_distributed
 
 KINDS = ("fastseq", "ulysses")
@@ -86,7 +86,7 @@ def _dit_case(group, input_size, kind, checkpoint=False):
 
 def _sp_worker(rank, world_size):
     group = dist.group.WORLD
-    res = {"attn": {}, "dit": {}}
+    res = {"attn": {}, "dit": {}, "noise": broadcast_from_first(torch.randn(3) + rank, group)}
     for kind in KINDS:
         for N in (16, 9):  # 9: not divisible by P = 2 or 4, exercises padding and key masking
             res["attn"][kind, N] = _attention_case(group, N, kind)
@@ -101,6 +101,7 @@ def _sp_worker(rank, world_size):
 def test_sp_attention_and_dit_equal_single_process(P):
     results = run_distributed(_sp_worker, P)
     for rank, res in enumerate(results):
+        assert torch.equal(res["noise"], results[0]["noise"])
         for (kind, N), (got, ref, sent) in res["attn"].items():
             where = f"attention {kind} P={P} N={N} rank {rank}"
             torch.testing.assert_close(got["out"], ref["out"], **OUT_TOL, msg=lambda m: f"{where} output: {m}")

@@ -60,10 +60,10 @@ class _RingGatherLinear(torch.autograd.Function):
         n = x_full.shape[1] // P
         dy = dy.contiguous()
         dys = dy.split(n, dim=1)
-        dw = torch.zeros_like(weight)
+        dw = torch.zeros_like(weight, dtype=torch.float32)  # P chunk terms: accumulate in fp32 under bf16
 
         def partial(c):  # this rank's heads' share of d(loss)/d(chunk c), plus its weight-grad term
-            dw.add_(dys[c].flatten(0, 1).t() @ x_full[:, c * n:(c + 1) * n].flatten(0, 1))
+            dw.add_((dys[c].flatten(0, 1).t() @ x_full[:, c * n:(c + 1) * n].flatten(0, 1)).float())
             return dys[c] @ weight
 
         # The accumulator for chunk c starts at rank c+1 and hops forward, ending at rank c after P-1 hops:
@@ -76,7 +76,7 @@ class _RingGatherLinear(torch.autograd.Function):
             _wait(works)
             acc = recv + mine
         db = dy.sum(dim=(0, 1)) if has_bias else None
-        return acc, dw, db, None, None, None
+        return acc, dw.to(weight.dtype), db, None, None, None
 
 
 def ring_gather_linear(x, weight, bias, group, counter=None, site: str = "fastseq"):
