@@ -22,6 +22,8 @@ import random
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -50,6 +52,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if _dist():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every save/load without a process group; single-process runs are intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -139,12 +149,11 @@ def _app_state(model, optimizer, ema) -> dict:
     return state
 
 
-def _clean_tmp(root: str, keep: str | None = None) -> None:
+def _clean_tmp(root: str) -> None:
     """Remove `.tmp-*` leftovers of interrupted saves or deletions (rank 0 only)."""
     for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith(".tmp-") and path != keep:
-            shutil.rmtree(path, ignore_errors=True)
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _prune(root: str, keep_last: int) -> None:
@@ -172,9 +181,10 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
                     extra: dict | None = None, keep_last: int | None = None) -> str:
     """Save everything needed to resume at `step` into root/step-XXXXXX and return that path.
 
-    A collective: call on every rank. `extra` is a picklable dict, saved per rank (each rank's data
-    position may differ): data sampler state, resolved config dict, ... `keep_last`: keep only the newest K step dirs (None:
-    keep all). Writes under root/.tmp-step-XXXXXX; rank 0 renames it after all ranks have written.
+    A collective: call on every rank; `root` must be on a filesystem all ranks share. `extra` is a
+    picklable dict saved per rank (data positions differ per rank): sampler state, resolved config, ...
+    `keep_last`: keep only the newest K step dirs (None: keep all). Writes root/.tmp-step-XXXXXX, which
+    rank 0 renames after every rank has written; re-saving an existing step replaces it.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -186,7 +196,8 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
         _clean_tmp(root)
         os.makedirs(os.path.join(tmp, "ranks"))
     _barrier()
-    dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, no_dist=not _dist())
+    with _quiet_single_process():
+        dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, no_dist=not _dist())
     torch.save({"rng": _rng_state(), "extra": extra or {}}, _rank_file(tmp, _rank()))
     if _rank() == 0:
         _write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None)
@@ -216,7 +227,8 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
     if ema is not None and not meta["has_ema"]:
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
-    dcp.load(state, checkpoint_id=path, no_dist=not _dist())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=not _dist())
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions())
     else:
@@ -300,7 +312,8 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
              if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     if not state:
         raise KeyError(f"checkpoint {path!r} holds no {key!r} weights; use key='model' or another checkpoint")
-    dcp.load({key: state}, checkpoint_id=path, no_dist=True)
+    with _quiet_single_process():
+        dcp.load({key: state}, checkpoint_id=path, no_dist=True)
     return state
 
 

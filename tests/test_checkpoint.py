@@ -15,7 +15,7 @@ from opendit.checkpoint import (export_ema, export_weights, list_checkpoints, lo
                                 resolve_checkpoint, save_checkpoint)
 from opendit.ema import ShardedEMA
 from tests.distributed import run_distributed
-from tests.test_ema import full_params, tiny_dit, train_step, wrap
+from tests.test_ema import full_params, tiny_dit, wrap
 
 
 def make_run(layout: str, seed: int):
@@ -155,3 +155,139 @@ def test_save_at_4_fsdp_loads_with_ddp_at_2_and_plain_at_1(tmp_path):
     step, _ = load_checkpoint(resolve_checkpoint("latest", root4), *run)
     assert step == 2
     assert_same_state(saved, full_state(run), "1 process loading the 4-rank fsdp checkpoint")
+
+
+# ---- single process: round trip, keep_last, crash safety, errors, exports ----
+
+def test_round_trip_restores_everything_in_one_process(tmp_path):
+    run = make_run("none", seed=0)
+    gen = torch.Generator().manual_seed(3)
+    run_steps(run, gen, 2)
+    random.seed(5)
+    np.random.seed(5)
+    path = save_checkpoint(str(tmp_path), 2, *run, extra={"data": gen.get_state(), "epoch": 1})
+    draws = (torch.rand(3), np.random.rand(3), random.random())
+    expected = full_state(run)
+    run = make_run("none", seed=4)
+    step, extra = load_checkpoint(path, *run)
+    assert step == 2 and extra["epoch"] == 1 and torch.equal(extra["data"], gen.get_state())
+    assert_same_state(expected, full_state(run), "reloaded")
+    assert run[3].last_epoch == 2 and run[1].param_groups[0]["lr"] == pytest.approx(1e-2 / 3)
+    assert torch.equal(torch.rand(3), draws[0]) and np.array_equal(np.random.rand(3), draws[1])
+    assert random.random() == draws[2]
+    model_only = tiny_dit(seed=6)  # model alone, e.g. to fine-tune or sample
+    load_checkpoint(path, model_only)
+    assert all(torch.equal(p, expected["weights"][n]) for n, p in model_only.named_parameters())
+
+
+def test_keep_last_prunes_oldest_and_latest_is_newest(tmp_path):
+    model = tiny_dit()
+    for step in (10, 20, 30, 40):
+        save_checkpoint(str(tmp_path), step, model, keep_last=2)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [30, 40]
+    assert sorted(os.listdir(tmp_path)) == ["step-000030", "step-000040"]
+    assert resolve_checkpoint("latest", str(tmp_path)).endswith("step-000040")
+    save_checkpoint(str(tmp_path), 40, model, keep_last=2)  # re-saving a step replaces it
+    assert sorted(os.listdir(tmp_path)) == ["step-000030", "step-000040"]
+
+
+def test_save_that_raises_midway_keeps_previous_latest(tmp_path, monkeypatch):
+    model = tiny_dit(seed=0)
+    save_checkpoint(str(tmp_path), 1, model)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real_save = ckpt.dcp.save
+
+    def failing_save(state, checkpoint_id, **kw):
+        real_save(state, checkpoint_id=checkpoint_id, **kw)  # files written, then the "disk fills up"
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.dcp, "save", failing_save)
+    with torch.no_grad():
+        model.pos_embed.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(str(tmp_path), 2, model)
+    assert os.path.isdir(tmp_path / ".tmp-step-000002")
+    latest = resolve_checkpoint("latest", str(tmp_path))
+    assert latest.endswith("step-000001")
+    fresh = tiny_dit(seed=3)
+    load_checkpoint(latest, fresh)
+    assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters())
+    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    save_checkpoint(str(tmp_path), 3, model)  # the next save clears the leftover
+    assert sorted(os.listdir(tmp_path)) == ["step-000001", "step-000003"]
+
+
+def _save_then_die(root):
+    """Child process: a good save at step 1, then a save killed (os._exit) after its files are written,
+    just before the rename."""
+    model = tiny_dit(seed=0)
+    save_checkpoint(root, 1, model)
+    with torch.no_grad():
+        model.pos_embed.add_(1.0)
+    real_replace = os.replace
+
+    def die_on_rename(src, dst):
+        if os.path.basename(src).startswith(".tmp-step"):
+            os._exit(17)
+        real_replace(src, dst)
+
+    ckpt.os.replace = die_on_rename
+    save_checkpoint(root, 2, model)
+
+
+@pytest.mark.slow
+def test_save_killed_before_rename_leaves_previous_latest(tmp_path):
+    proc = multiprocessing.get_context("spawn").Process(target=_save_then_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == 17
+    assert os.path.exists(tmp_path / ".tmp-step-000002" / ".metadata")  # written, never renamed
+    latest = resolve_checkpoint("latest", str(tmp_path))
+    assert latest.endswith("step-000001")
+    fresh = tiny_dit(seed=3)
+    load_checkpoint(latest, fresh)
+    expected = tiny_dit(seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected.parameters()))
+
+
+def test_resolve_errors_name_the_path_and_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_checkpoint("latest", str(tmp_path))
+    broken = tmp_path / "step-000005"
+    broken.mkdir()
+    (broken / ".metadata").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"incomplete: missing \['trainer.pt', 'meta.json', 'ranks'\]"):
+        resolve_checkpoint(str(broken))
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_checkpoint("latest", str(tmp_path))  # an incomplete step dir is never "latest"
+    with pytest.raises(TypeError, match="wrong order"):
+        save_checkpoint(str(tmp_path), 1, tiny_dit(), None, torch.optim.SGD(tiny_dit().parameters(), lr=1))
+
+
+def test_export_and_load_weights_in_every_format(tmp_path):
+    run = make_run("none", seed=0)
+    run_steps(run, torch.Generator().manual_seed(0), 1)
+    model, _, ema, _ = run
+    ema_sd, model_sd = ema.full_state_dict(), model.state_dict()
+    out = export_ema(ema, str(tmp_path / "ema.safetensors"), {"model": "DiT-debug", "input_size": 8})
+    loaded = load_weights(out)
+    assert loaded.keys() == ema_sd.keys() and all(torch.equal(loaded[k], ema_sd[k]) for k in ema_sd)
+    assert '"model": "DiT-debug"' in (tmp_path / "ema.json").read_text()
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    tiny_dit(seed=2).load_state_dict(loaded, strict=True)  # official keys, strict
+
+    torch.save(model_sd, tmp_path / "plain.pt")  # the released DiT-XL-2-256x256.pt is a plain state_dict
+    assert all(torch.equal(load_weights(str(tmp_path / "plain.pt"))[k], v) for k, v in model_sd.items())
+    train_ckpt = {"model": {"module." + k: v for k, v in model_sd.items()}, "ema": ema_sd, "opt": {},
+                  "args": argparse.Namespace(model="DiT-XL/2")}  # DiT's train.py checkpoint layout
+    torch.save(train_ckpt, tmp_path / "0001000.pt")
+    assert all(torch.equal(load_weights(str(tmp_path / "0001000.pt"))[k], v) for k, v in ema_sd.items())
+    by_key = load_weights(str(tmp_path / "0001000.pt"), key="model")
+    assert all(torch.equal(by_key[k], v) for k, v in model_sd.items())
+
+    step_dir = save_checkpoint(str(tmp_path / "run"), 1, *run)
+    from_dir = load_weights(step_dir)
+    assert all(torch.equal(from_dir[k], v) for k, v in ema_sd.items())
+    assert all(torch.equal(load_weights(step_dir, key="model")[k], v) for k, v in model_sd.items())
+    with pytest.raises(ValueError, match="must end with .safetensors"):
+        export_weights(str(tmp_path / "x.bin"), model_sd)

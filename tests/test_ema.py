@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,11 +28,16 @@ def tiny_dit(seed: int = 0, class_dropout_prob: float = 0.1) -> nn.Module:
 
 
 def wrap(model: nn.Module, layout: str) -> nn.Module:
-    """'fsdp': fully_shard per block then root (zero2-style); 'ddp': DistributedDataParallel; 'none': as is."""
-    if layout == "fsdp":
+    """'fsdp': fully_shard per block then root (zero2-style); 'hsdp': the same on a 2 x (world/2)
+    (replicate, shard) mesh; 'ddp': DistributedDataParallel; 'none': as is."""
+    if layout in ("fsdp", "hsdp"):
+        mesh = None
+        if layout == "hsdp":
+            shape = (2, dist.get_world_size() // 2)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard"))
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=False)
-        return fully_shard(model, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=False)
     if layout == "ddp":
         return DDP(model)
     return model
@@ -81,8 +87,12 @@ def _ema_vs_full(rank, world, layout):
                 row_bytes=row_bytes, dtensor=all(isinstance(v, DTensor) for v in ema.state_dict().values()))
 
 
+def _layouts(world):
+    return ("fsdp", "ddp", "hsdp") if world == 4 else ("fsdp", "ddp")
+
+
 def _worker(rank, world):
-    return {layout: _ema_vs_full(rank, world, layout) for layout in ("fsdp", "ddp")}
+    return {layout: _ema_vs_full(rank, world, layout) for layout in _layouts(world)}
 
 
 @pytest.mark.slow
@@ -90,21 +100,23 @@ def _worker(rank, world):
 def test_sharded_ema_equals_full_ema_and_memory(world):
     results = run_distributed(_worker, world)
     official = sorted(tiny_dit().state_dict())
-    for layout in ("fsdp", "ddp"):
+    for layout in _layouts(world):
         per_rank = [r[layout] for r in results]
         for r in per_rank:
             assert r["mismatched"] == [], f"{layout}: sharded EMA differs from full EMA at {r['mismatched'][:3]}"
             assert r["moved"] >= r["n"] - 1, f"{layout}: EMA equals the weights; update did nothing"
             assert r["keys"] == official and "pos_embed" in r["keys"]
             assert r["reloaded"] and r["dtensor"]
-        # Memory: the shards partition the full copy (no duplication), and each rank holds at most
-        # 1/world of it plus one row per parameter (ceil rounding of dim-0 chunks; pos_embed [1, N, D]
-        # has one row, so it sits whole on rank 0).
+        # Memory: the shards partition the full copy (no duplication; hsdp keeps one copy per replica
+        # group, like its weights), and each rank holds at most 1/shards of it plus one row per parameter
+        # (ceil rounding of dim-0 chunks; pos_embed [1, N, D] has one row, so it sits whole on rank 0).
+        replicas = 2 if layout == "hsdp" else 1
+        shards = world // replicas
         full, rows = per_rank[0]["full_bytes"], per_rank[0]["row_bytes"]
         local = [r["local_bytes"] for r in per_rank]
-        assert sum(local) == full, f"{layout}: shards sum to {sum(local)} bytes, full copy is {full}"
-        assert max(local) <= full / world + rows, f"{layout}: {max(local)} bytes > {full}/{world} + {rows}"
-        assert max(local) < 1.1 * full / world  # DiT-debug: within 10% of an even split
+        assert sum(local) == replicas * full, f"{layout}: shards sum to {sum(local)} bytes, full copy is {full}"
+        assert max(local) <= full / shards + rows, f"{layout}: {max(local)} bytes > {full}/{shards} + {rows}"
+        assert max(local) < 1.1 * full / shards  # DiT-debug: within 10% of an even split
 
 
 def test_single_process_ema_is_full_copy_with_official_keys():
