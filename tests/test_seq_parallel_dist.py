@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from opendit.models.dit import DiT
 from opendit.models.layers import Attention
@@ -122,64 +123,69 @@ def test_sp_attention_and_dit_equal_single_process(P):
                 torch.testing.assert_close(grads[n] / P, ref[n], **GRAD_TOL, msg=lambda m: f"{where} {n}: {m}")
 
 
-def _train(rank, world_size, sp_size, kind, steps):
-    """FSDP over all ranks (DP x SP), SP groups from a (dp, sp) mesh; returns per-step global losses.
+def _dataset(n=12):
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 4, 6, 6, generator=g), torch.randint(0, 1000, (n,), generator=g),
+                         torch.randint(0, 10, (n,), generator=g), torch.randn(n, 8, 6, 6, generator=g))
+
+
+def _train(plugin, kind, steps):
+    """Booster with sp_size=2 on 4 ranks (DP 2 x SP 2) next to a single-process DP-only run of the same batches.
 
     SGD, not Adam: Adam divides by sqrt(v), so a gradient that is zero in exact arithmetic (the key bias:
     softmax ignores a constant added to every score of a row) turns its ~1e-9 rounding noise into lr-sized
     steps that differ between any two summation orders. SGD keeps differences at rounding level.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from opendit.booster import Booster, build_plugin
+    from opendit.data import build_dataloader
 
-    dp_size = world_size // sp_size
-    mesh = init_device_mesh("cpu", (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    dp_rank = mesh.get_local_rank("dp")
+    booster = Booster(build_plugin(plugin, sp_size=2))
     model = _random_dit(6)  # 9 tokens: padded under SP = 2
     ref = copy.deepcopy(model)
-    model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
-    world_mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=world_mesh)
-    fully_shard(model, mesh=world_mesh)  # gradients are averaged over all DP x SP ranks, unscaled
+    model.enable_sequence_parallel(booster.sp_group, kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(_dataset(), batch_size=4, shuffle=True)  # global batch 4: 2 samples per DP rank
+    model, opt, loader, _ = booster.boost(model, opt, dataloader=loader, data_seed=0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    per_dp, batch = 2, 2 * dp_size
+    ref_loader = build_dataloader(_dataset(), 4, dp_size=1, dp_rank=0, seed=0)  # the same global batches
     losses, ref_losses = [], []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)  # the global batch of this step, identical everywhere
-        x, target = torch.randn(batch, 4, 6, 6, generator=g), torch.randn(batch, 8, 6, 6, generator=g)
-        t, y = torch.randint(0, 1000, (batch,), generator=g), torch.randint(0, 10, (batch,), generator=g)
-        mine = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)  # every rank of one SP group: the same samples
-        loss = ((model(x[mine], t[mine], y[mine]) - target[mine]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    for (x, t, y, target), (rx, rt, ry, rtarget) in zip(loader, ref_loader):
+        seen = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(seen, x, group=booster.sp_group)
+        assert torch.equal(seen[0], seen[1]), "the two SP ranks of a group got different samples"
+        loss = F.mse_loss(model(x, t, y), target)
+        booster.backward(loss, opt)
+        booster.step(opt)
         logged = loss.detach().clone()
         dist.all_reduce(logged)
-        losses.append(logged.item() / world_size)
+        losses.append(logged.item() / dist.get_world_size())
 
-        ref_loss = ((ref(x, t, y) - target) ** 2).mean()  # the single-process DP-only baseline
+        ref_loss = F.mse_loss(ref(rx, rt, ry), rtarget)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
-    params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-    return losses, ref_losses, params, {n: p.detach() for n, p in ref.named_parameters()}
+        if len(losses) == steps:
+            break
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for n, p in booster.unwrap(model).named_parameters()}
+    return losses, ref_losses, full, {n: p.detach() for n, p in ref.named_parameters()}
 
 
-def _dp_sp_worker(rank, world_size, sp_size, steps):
-    return {kind: _train(rank, world_size, sp_size, kind, steps) for kind in KINDS}
+def _dp_sp_worker(rank, world_size, cases, steps):
+    return {case: _train(*case, steps) for case in cases}
 
 
 @pytest.mark.slow
-def test_dp2_sp2_training_equals_dp_only():
-    results = run_distributed(_dp_sp_worker, 4, 2, 3)
-    for kind in KINDS:
-        losses, ref_losses, params, ref_params = results[0][kind]
-        assert all(r[kind][0] == losses for r in results)
+def test_dp2_sp2_training_through_the_booster_equals_dp_only():
+    """zero2 shards over dp_shard x sp flattened and averages over all 4 ranks; ddp averages over the world."""
+    cases = [("zero2", "fastseq"), ("ddp", "ulysses")]
+    results = run_distributed(_dp_sp_worker, 4, cases, 3)
+    for case in cases:
+        losses, ref_losses, params, ref_params = results[0][case]
+        assert all(r[case][0] == losses for r in results)
         assert losses[0] != losses[-1]  # the steps moved the weights
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"{kind} losses {losses} vs DP-only {ref_losses}: {m}")
+                                   msg=lambda m: f"{case} losses {losses} vs DP-only {ref_losses}: {m}")
         for n in ref_params:
-            torch.testing.assert_close(params[n], ref_params[n], **GRAD_TOL, msg=lambda m: f"{kind} {n}: {m}")
+            torch.testing.assert_close(params[n], ref_params[n], **GRAD_TOL, msg=lambda m: f"{case} {n}: {m}")
