@@ -151,3 +151,22 @@ def test_bad_arguments():
         BlockSwap(torch.nn.Linear(2, 2), 1, device="cpu")
     with pytest.raises(ValueError, match="between 0 and"):
         BlockSwap(Stack(), 9, device="cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_swap_with_fused_adamw_equals_unswapped():
+    torch.manual_seed(0)
+    ref = Stack().cuda()
+    model = copy.deepcopy(ref).cpu()
+    swap = BlockSwap(model, 3, device="cuda")
+    assert all(h.is_pinned() for i in swap.swapped for h in swap._host[i])
+    opts = [build_optimizer(m.parameters(), "adamw", lr=1e-2, fused_backward=True) for m in (ref, model)]
+    for seed in range(3):
+        x, y = (t.cuda() for t in inputs(seed))
+        for m, opt in zip((ref, model), opts):
+            m(x, y).square().mean().backward()
+            opt.step()
+    torch.cuda.synchronize()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert all(t.device.type == "cpu" for i in swap.swapped for t in swap._slots[i])

@@ -72,3 +72,25 @@ def test_remove_restores_normal_steps():
     before = flat(m)
     opt.step()
     assert not torch.equal(before, flat(m))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw", "adan"])
+def test_cuda_offloaded_fused_equals_on_device_step(name):
+    # side-stream prefetch / write-back against states that never leave the device
+    def run_cuda(fused, state_device):
+        torch.manual_seed(0)
+        m = tiny(torch.bfloat16).cuda()
+        opt = build_optimizer(m.parameters(), name, lr=1e-3, state_dtype="u16", master_weights="bf16_exact",
+                              state_device=state_device, fused_backward=fused, small_numel=256)
+        for x, y in batches(5):
+            (m(x.cuda().bfloat16()).float() - y.cuda()).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return m, opt
+
+    a, _ = run_cuda(False, "gpu")
+    b, opt = run_cuda(True, "cpu")
+    assert torch.equal(flat(a), flat(b))
+    st = opt.state[b[0].weight]
+    assert st["exp_avg.u16"].device.type == "cpu" and st["exp_avg.u16"].is_pinned()

@@ -71,6 +71,15 @@ class LeanOptimizer(torch.optim.Optimizer):
     def _init_scalars(self):
         return {}
 
+    @torch.no_grad()
+    def init_states(self):
+        """Allocate every parameter's states now (they are otherwise created at its first update), e.g. to
+        measure memory up front. Returns the number of parameters initialized."""
+        fresh = [(p, g) for g in self.param_groups for p in g["params"] if p not in self.state]
+        for p, group in fresh:
+            self._init_state(p, group)
+        return len(fresh)
+
     # ---- the update ----------------------------------------------------------------------------
     def prefetch(self, p):
         st = self.state.get(p)
