@@ -270,6 +270,7 @@ def export_weights(path: str, state_dict: dict[str, torch.Tensor], metadata: dic
     """Write {fqn: full tensor} to one .safetensors file (+ a .json sidecar with `metadata`, e.g. model name
     and config) via a temporary name and a rename. No collective inside: only rank 0 writes, other ranks
     return None, so it may be called on all ranks or on rank 0 alone."""
+    path = os.fspath(path)
     if _rank() != 0:
         return None
     from safetensors.torch import save_file

@@ -26,21 +26,15 @@ def resolve_weights(ckpt: str) -> tuple[Path, dict]:
     """ckpt -> (weights file, the training config found beside it or inside it, {} if none)."""
     path = Path(ckpt)
     if path.is_dir():
-        weights = path / "ema.safetensors"
-        if not weights.is_file():
-            raise FileNotFoundError(f"checkpoint folder {path} has no ema.safetensors; pass a folder written by "
-                                    f"train.py (outputs/NNN-model/checkpoints/step-XXXXXXX) or an EMA export")
+        # the EMA export written beside the DCP shards; without it (a crash between the two) read the shards
+        weights = path / "ema.safetensors" if (path / "ema.safetensors").is_file() else path
         trained = path / "config.yaml"
         return weights, (cfglib.load_yaml(cfglib.TrainConfig, trained).__dict__ if trained.is_file() else {})
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt {ckpt} does not exist; pass an EMA export (.safetensors), a training "
                                 f"checkpoint folder, or an official DiT .pt")
-    meta = {}
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get("config")
-        meta = json.loads(raw) if raw else {}
+    sidecar = path.with_suffix(".json")  # written by export_weights beside an export
+    meta = json.loads(sidecar.read_text()).get("config", {}) if sidecar.is_file() else {}
     return path, meta
 
 
@@ -73,7 +67,7 @@ def load_model(cfg: cfglib.SampleConfig, device):
     input_size, in_channels = latent_geometry(s["image_size"], s["vae"], s["in_channels"], patch)
     model = build_model(s["model"], input_size=input_size, in_channels=in_channels, num_classes=s["num_classes"],
                         learn_sigma=s["learn_sigma"])
-    model.load_state_dict(load_weights(weights_path), strict=True)
+    model.load_state_dict(load_weights(str(weights_path)), strict=True)
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=resolve_attention_backend(cfg.enable_flashattn))
     vae = load_vae(s["vae"], device)

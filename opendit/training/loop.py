@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
-from opendit.checkpoint import export_ema, load_checkpoint, resolve_checkpoint, save_checkpoint
+from opendit.checkpoint import export_ema, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opendit.data import build_dataset
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.encoders.vae import load_vae
+from opendit.kernels import kernel_status
 from opendit.kernels.attention import resolve_attention_backend
 from opendit.models import MODELS, build_model
 from opendit.training.objective import DiffusionObjective, latent_geometry
@@ -30,17 +31,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_dit(cfg, data_channels: int):
+def build_dit(cfg, data_channels: int, device):
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid names: {', '.join(MODELS)}")
     patch = MODELS[cfg.model].keywords["patch_size"]
     input_size, in_channels = latent_geometry(cfg.image_size, cfg.vae, data_channels, patch)
     model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
-    backend = resolve_attention_backend(cfg.enable_flashattn)
+    backend = resolve_attention_backend(cfg.enable_flashattn, device)
+    if cfg.enable_modulate_kernel or cfg.enable_layernorm_kernel:
+        logger.info(kernel_status(use_kernel=True, device=device))
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=backend)
     return model
+
+
+def latest_checkpoint(outputs: str) -> str:
+    """The newest complete checkpoint of the newest run folder (outputs/NNN-model/checkpoints) that has one."""
+    runs = sorted(Path(outputs).glob("[0-9]*-*/checkpoints"), reverse=True)
+    for ckpt_root in runs:
+        found = list_checkpoints(str(ckpt_root))
+        if found:
+            return found[-1][1]
+    raise FileNotFoundError(f"--load latest: no complete checkpoint under {outputs}/NNN-*/checkpoints "
+                            f"(run folders: {[p.parent.name for p in runs]}); start without --load or pass a "
+                            f"checkpoint folder")
 
 
 class Trainer:
@@ -63,7 +78,7 @@ class Trainer:
         self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size)
         self.vae = load_vae(cfg.vae, self.dist.device)
         self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
-        model = build_dit(cfg, getattr(self.dataset, "channels", 3))
+        model = build_dit(cfg, getattr(self.dataset, "channels", 3), self.dist.device)
         logger.info("%s: %.1fM parameters; attention backend %s", cfg.model,
                     sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -72,8 +87,8 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
-            model, optimizer, dataloader=loader, lr_scheduler=scheduler)
-        self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_mesh=self.booster.dp_mesh)
+            model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
+        self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
         self.step = 0
         if self.resume_from is not None:
             self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
@@ -87,7 +102,10 @@ class Trainer:
     def _resolve_resume(self):
         if not self.cfg.load:
             return None
-        return broadcast_object(str(resolve_checkpoint(self.cfg.load, self.cfg.outputs)) if self.dist.rank == 0 else None)
+        path = None
+        if self.dist.rank == 0:
+            path = latest_checkpoint(self.cfg.outputs) if self.cfg.load == "latest" else resolve_checkpoint(self.cfg.load)
+        return broadcast_object(path)
 
     def _make_run_dir(self) -> Path:
         """A resumed run continues in the run folder that holds its checkpoint; a new run gets the next number."""
@@ -119,8 +137,12 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     mean_loss = all_reduce_mean(interval_loss / interval_steps)
                     losses.append(mean_loss)
-                    log.log(self.step, {"loss": mean_loss, "grad_norm": grad_norm,
-                                        "lr": self.scheduler.get_last_lr()[0]},
+                    metrics = {"loss": mean_loss, "lr": self.scheduler.get_last_lr()[0]}
+                    if cfg.grad_clip > 0:
+                        metrics["grad_norm"] = grad_norm
+                    if cfg.mixed_precision == "fp16":
+                        metrics["skipped_steps"] = self.booster.skipped_steps
+                    log.log(self.step, metrics,
                             images=interval_steps * cfg.batch_size)
                     interval_loss, interval_steps = 0.0, 0
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
