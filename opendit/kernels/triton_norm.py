@@ -8,9 +8,12 @@ Rows are the flattened tokens of x [B, N, C] -> [B*N, C]; row r belongs to sampl
 every sample reads its own scale / shift row (never sample 0's). Math is fp32 in registers;
 inputs and outputs may be fp16 / bf16 / fp32.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from opendit.kernels._common import block_size, num_warps, rows_per_program
 
@@ -110,56 +113,91 @@ def _norm_bwd(X, DY, DX, W, Bias, Scale, Mean, Rstd, DW, DB, DScale, DShift, N, 
         tl.store(DShift + part, acc_dshift, mask=mask)
 
 
-class NormFn(torch.autograd.Function):
-    """x [B, ..., C]; shift / scale [B, C] contiguous or None (then B is taken as 1)."""
+# ---- torch.library custom ops -------------------------------------------------------------------------------
+# Registered as ops (not autograd.Functions) so torch.compile keeps them in its graph as opaque calls
+# (shapes from the fake impls below) instead of splitting the graph around Triton's launcher.
+# Inputs are the flattened rows x2 [R, C] (contiguous), optional weight / bias [C] and shift / scale
+# [B, C]; R = B * N. Outputs are fresh tensors (custom ops may not return views of their inputs).
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, shift, scale, eps, rms):
-        modulate = scale is not None
-        C = x.shape[-1]
-        x2 = x.contiguous().view(-1, C)
-        B = scale.shape[0] if modulate else 1
-        N = x2.shape[0] // B
-        out_dtype = torch.promote_types(x.dtype, scale.dtype) if modulate else x.dtype
-        if modulate:
-            out_dtype = torch.promote_types(out_dtype, shift.dtype)
-        y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-        mean = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        BLOCK_C = block_size(C)
-        _norm_fwd[(x2.shape[0],)](
-            x2, y, _ptr(weight, x2), _ptr(bias, x2), _ptr(shift, x2), _ptr(scale, x2), mean, rstd,
-            N, C, eps, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=modulate,
-            RMS=rms, BLOCK_C=BLOCK_C, num_warps=num_warps(BLOCK_C))
-        ctx.save_for_backward(x2, weight, bias, scale, mean, rstd)
-        ctx.meta = (x.shape, x.dtype, shift.dtype if modulate else None, B, N, rms)
-        return y.view(x.shape)
+@torch.library.custom_op("opendit::norm_fwd", mutates_args=())
+def norm_fwd(x2: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], shift: Optional[Tensor],
+             scale: Optional[Tensor], eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """-> y [R, C] (x's dtype promoted with shift / scale), mean [R] fp32 ([0] for RMS), rstd [R] fp32."""
+    y, mean, rstd = _norm_fwd_fake(x2, weight, bias, shift, scale, eps, rms)
+    x2 = x2.contiguous()
+    R, C = x2.shape
+    modulate = scale is not None
+    N = R // (scale.shape[0] if modulate else 1)
+    BLOCK_C = block_size(C)
+    _norm_fwd[(R,)](
+        x2, y, _ptr(weight, x2), _ptr(bias, x2), _ptr(shift, x2), _ptr(scale, x2), mean if not rms else rstd,
+        rstd, N, C, eps, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=modulate, RMS=rms,
+        BLOCK_C=BLOCK_C, num_warps=num_warps(BLOCK_C))
+    return y, mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, bias, scale, mean, rstd = ctx.saved_tensors
-        x_shape, x_dtype, shift_dtype, B, N, rms = ctx.meta
-        modulate = scale is not None
-        C = x2.shape[1]
-        dy2 = dy.contiguous().view(-1, C)
-        dx = torch.empty(x2.shape, dtype=x_dtype, device=x2.device)
-        ROWS = rows_per_program(x2.shape[0], N, x2.device)
-        n_blk = triton.cdiv(N, ROWS)
-        # Partial sums, one [C] row per program; only the ones the flags ask for get written.
-        parts = torch.empty((4, B * n_blk, C), dtype=torch.float32, device=x2.device)
-        BLOCK_C = block_size(C)
-        _norm_bwd[(B, n_blk)](
-            x2, dy2, dx, _ptr(weight, x2), _ptr(bias, x2), _ptr(scale, x2), mean, rstd,
-            parts[0], parts[1], parts[2], parts[3], N, C,
-            HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=modulate, RMS=rms,
-            ROWS=ROWS, BLOCK_C=BLOCK_C, num_warps=num_warps(BLOCK_C))
-        dw = parts[0].sum(0).to(weight.dtype) if weight is not None else None
-        db = parts[1].sum(0).to(bias.dtype) if bias is not None else None
-        dscale = dshift = None
-        if modulate:
-            dscale = parts[2].view(B, n_blk, C).sum(1).to(scale.dtype)
-            dshift = parts[3].view(B, n_blk, C).sum(1).to(shift_dtype)
-        return dx.view(x_shape), dw, db, dshift, dscale, None, None
+
+@norm_fwd.register_fake
+def _norm_fwd_fake(x2, weight, bias, shift, scale, eps, rms):
+    out_dtype = x2.dtype
+    if scale is not None:
+        out_dtype = torch.promote_types(torch.promote_types(out_dtype, scale.dtype), shift.dtype)
+    R = x2.shape[0]
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x2.device)
+    mean = torch.empty(0 if rms else R, dtype=torch.float32, device=x2.device)  # RMSNorm has no mean
+    return y, mean, torch.empty(R, dtype=torch.float32, device=x2.device)
+
+
+@torch.library.custom_op("opendit::norm_bwd", mutates_args=())
+def norm_bwd(x2: Tensor, dy2: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], scale: Optional[Tensor],
+             mean: Tensor, rstd: Tensor, rows: int, rms: bool) -> tuple[Tensor, Tensor]:
+    """-> dx [R, C] in x's dtype, and fp32 partial sums [4, B * n_blk, C] of the grads of weight, bias,
+    scale, shift (n_blk = ceil(N / rows); only the slices the flags ask for are written)."""
+    dx, parts = _norm_bwd_fake(x2, dy2, weight, bias, scale, mean, rstd, rows, rms)
+    x2, dy2 = x2.contiguous(), dy2.contiguous()
+    C = x2.shape[1]
+    B = scale.shape[0] if scale is not None else 1
+    N = x2.shape[0] // B
+    BLOCK_C = block_size(C)
+    _norm_bwd[(B, parts.shape[1] // B)](
+        x2, dy2, dx, _ptr(weight, x2), _ptr(bias, x2), _ptr(scale, x2), mean if not rms else rstd, rstd,
+        parts[0], parts[1], parts[2], parts[3], N, C,
+        HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None, RMS=rms,
+        ROWS=rows, BLOCK_C=BLOCK_C, num_warps=num_warps(BLOCK_C))
+    return dx, parts
+
+
+@norm_bwd.register_fake
+def _norm_bwd_fake(x2, dy2, weight, bias, scale, mean, rstd, rows, rms):
+    B = scale.shape[0] if scale is not None else 1
+    n_blk = triton.cdiv(x2.shape[0] // B, rows)
+    dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    return dx, torch.empty((4, B * n_blk, x2.shape[1]), dtype=torch.float32, device=x2.device)
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x2, weight, bias, shift, scale, eps, rms = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x2, weight, bias, scale, mean, rstd)
+    ctx.rms = rms
+    ctx.shift_dtype = shift.dtype if shift is not None else None
+
+
+def _norm_backward(ctx, dy, _dmean, _drstd):
+    x2, weight, bias, scale, mean, rstd = ctx.saved_tensors
+    B = scale.shape[0] if scale is not None else 1
+    rows = rows_per_program(x2.shape[0], x2.shape[0] // B, x2.device)
+    dx, parts = norm_bwd(x2, dy.contiguous(), weight, bias, scale, mean, rstd, rows, ctx.rms)
+    C = x2.shape[1]
+    dw = parts[0].sum(0).to(weight.dtype) if weight is not None else None
+    db = parts[1].sum(0).to(bias.dtype) if bias is not None else None
+    dscale = dshift = None
+    if scale is not None:  # per-sample grads: sum each sample's partials
+        dscale = parts[2].view(B, -1, C).sum(1).to(scale.dtype)
+        dshift = parts[3].view(B, -1, C).sum(1).to(ctx.shift_dtype)
+    return dx, dw, db, dshift, dscale, None, None
+
+
+norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
 def _ptr(t, fallback):
@@ -167,9 +205,10 @@ def _ptr(t, fallback):
     return fallback if t is None else t.contiguous()
 
 
-# torch.compile must not trace into Triton's launcher (it fails on the CPU interpreter and is
-# untested on GPU): under compile the kernel runs eagerly between two graphs.
-@torch.compiler.disable
 def norm(x, weight=None, bias=None, shift=None, scale=None, eps=1e-6, rms=False):
-    """Entry point used by opendit.kernels; arguments are already validated there."""
-    return NormFn.apply(x, weight, bias, shift, scale, float(eps), rms)
+    """Entry point used by opendit.kernels; arguments are already validated there.
+
+    x [B, ..., C]; shift / scale [B, C] or None (then the rows are not grouped by sample)."""
+    C = x.shape[-1]
+    y, _, _ = norm_fwd(x.contiguous().view(-1, C), weight, bias, shift, scale, float(eps), bool(rms))
+    return y.view(x.shape)

@@ -5,6 +5,7 @@ Math is fp32 in registers; inputs and outputs may be fp16 / bf16 / fp32.
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from opendit.kernels._common import block_size, num_warps
 
@@ -48,39 +49,60 @@ def _gate_grid(B, N, C):
     return (B, triton.cdiv(N, _GATE_ROWS), triton.cdiv(C, _GATE_COLS))
 
 
-class GatedResidualFn(torch.autograd.Function):
-    """x, y [B, ..., C] (same shape); gate [B, C]."""
-
-    @staticmethod
-    def forward(ctx, x, gate, y):
-        B, C = gate.shape
-        x2, y2, g = x.contiguous(), y.contiguous(), gate.contiguous()
-        N = x2.numel() // (B * C)
-        out_dtype = torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype)
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        _gate_fwd[_gate_grid(B, N, C)](x2, g, y2, out, N, C, ROWS=_GATE_ROWS, COLS=_GATE_COLS,
-                                       num_warps=num_warps(_GATE_ROWS * _GATE_COLS))
-        ctx.save_for_backward(g, y2)
-        ctx.meta = (x.dtype, N)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        g, y2 = ctx.saved_tensors
-        x_dtype, N = ctx.meta
-        B, C = g.shape
-        dout = dout.contiguous()
-        dy = torch.empty(y2.shape, dtype=y2.dtype, device=y2.device)
-        grid = _gate_grid(B, N, C)
-        parts = torch.empty((B, grid[1], C), dtype=torch.float32, device=y2.device)
-        _gate_bwd[grid](dout, g, y2, dy, parts, N, C, ROWS=_GATE_ROWS, COLS=_GATE_COLS,
-                        num_warps=num_warps(_GATE_ROWS * _GATE_COLS))
-        return dout.to(x_dtype), parts.sum(1).to(g.dtype), dy
+@torch.library.custom_op("opendit::gated_residual_fwd", mutates_args=())
+def gated_residual_fwd(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
+    """x, y [B, ..., C] (same shape); gate [B, C] -> x + gate[b] * y in the promoted dtype."""
+    out = _gate_fwd_fake(x, gate, y)
+    B, C = gate.shape
+    N = x.numel() // (B * C)
+    _gate_fwd[_gate_grid(B, N, C)](x.contiguous(), gate.contiguous(), y.contiguous(), out, N, C,
+                                   ROWS=_GATE_ROWS, COLS=_GATE_COLS, num_warps=num_warps(_GATE_ROWS * _GATE_COLS))
+    return out
 
 
-@torch.compiler.disable  # see triton_norm.norm: keep torch.compile out of Triton's launcher
+@gated_residual_fwd.register_fake
+def _gate_fwd_fake(x, gate, y):
+    out_dtype = torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype)
+    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+
+
+@torch.library.custom_op("opendit::gated_residual_bwd", mutates_args=())
+def gated_residual_bwd(dout: Tensor, gate: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """-> dy = dout * gate[b] (y's shape and dtype), fp32 partial sums [B, n_blk, C] of dgate."""
+    dy, parts = _gate_bwd_fake(dout, gate, y)
+    B, C = gate.shape
+    N = y.numel() // (B * C)
+    _gate_bwd[_gate_grid(B, N, C)](dout.contiguous(), gate.contiguous(), y.contiguous(), dy, parts, N, C,
+                                   ROWS=_GATE_ROWS, COLS=_GATE_COLS, num_warps=num_warps(_GATE_ROWS * _GATE_COLS))
+    return dy, parts
+
+
+@gated_residual_bwd.register_fake
+def _gate_bwd_fake(dout, gate, y):
+    B, C = gate.shape
+    n_blk = _gate_grid(B, y.numel() // (B * C), C)[1]
+    dy = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    return dy, torch.empty((B, n_blk, C), dtype=torch.float32, device=y.device)
+
+
+def _gate_setup_context(ctx, inputs, output):
+    x, gate, y = inputs
+    ctx.save_for_backward(gate, y)
+    ctx.x_dtype = x.dtype
+
+
+def _gate_backward(ctx, dout):
+    gate, y = ctx.saved_tensors
+    dy, parts = gated_residual_bwd(dout, gate, y)
+    return dout.to(ctx.x_dtype), parts.sum(1).to(gate.dtype), dy
+
+
+gated_residual_fwd.register_autograd(_gate_backward, setup_context=_gate_setup_context)
+
+
 def gated_residual(x, gate, y):
-    return GatedResidualFn.apply(x, gate, y)
+    """Entry point used by opendit.kernels (inputs validated there); gate [B, C]."""
+    return gated_residual_fwd(x, gate, y)
 
 
 @triton.jit
@@ -108,11 +130,14 @@ def _rope(X, Cos, Sin, Out, H, N, P, sxb, sxh, sxn, sfb,
     tl.store(dst + 1, x0 * s + x1 * c, mask=m)
 
 
-def _rope_launch(x, cos, sin, sign, out_dtype):
+@torch.library.custom_op("opendit::rope", mutates_args=())
+def rope(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
+    """x [B, H, N, D] (any strides but a unit last one) rotated by sign * angle -> contiguous, x's dtype."""
+    out = _rope_fake(x, cos, sin, sign)
     B, H, N, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((B, H, N, D), dtype=out_dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
     P = D // 2
     sfb = N * P if cos.dim() == 3 else 0
     BLOCK_P = block_size(P)
@@ -122,23 +147,26 @@ def _rope_launch(x, cos, sin, sign, out_dtype):
     return out
 
 
-class RopeFn(torch.autograd.Function):
+@rope.register_fake
+def _rope_fake(x, cos, sin, sign):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    _, cos, sin, sign = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.sign = sign
+
+
+def _rope_backward(ctx, dout):
     """The rotation is orthogonal: its backward is the same rotation by the opposite angle."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        ctx.x_dtype = x.dtype
-        return _rope_launch(x, cos, sin, 1.0, x.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        cos, sin = ctx.saved_tensors
-        return _rope_launch(dout, cos, sin, -1.0, ctx.x_dtype), None, None
+    cos, sin = ctx.saved_tensors
+    return rope(dout, cos, sin, -ctx.sign), None, None, None
 
 
-@torch.compiler.disable
+rope.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
 def apply_rope(x, freqs_cos, freqs_sin):
     """x [B, H, N, D]; freqs [N, D/2] or [B, N, D/2] (validated by the caller); no grad for freqs."""
-    return RopeFn.apply(x, freqs_cos.contiguous(), freqs_sin.contiguous())
-
+    return rope(x, freqs_cos, freqs_sin, 1.0)
