@@ -55,6 +55,14 @@ def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
 
+def _outer_saved_tensor_hooks():
+    """The innermost active saved-tensor hooks (e.g. non-reentrant checkpointing's), or None."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except TypeError:  # older signature without the ignore_is_tracing flag
+        return torch._C._autograd._top_saved_tensors_default_hooks()
+
+
 class BlockSwap:
     def __init__(self, model, num_blocks: int, device=None, offload_device="cpu"):
         names = getattr(model, "_block_lists", None)
@@ -150,7 +158,7 @@ class BlockSwap:
         later = [j for j in self.swapped if j > i]
         if later:
             self._prefetch(later[0])
-        no_outer = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        no_outer = _outer_saved_tensor_hooks() is None
         if i in self._slots and torch.is_grad_enabled() and no_outer:
             self._ctx[i] = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._ctx[i].__enter__()
