@@ -13,7 +13,9 @@ Tolerances (all relative unless said):
 AdamW is nearly invariant to the scale of the gradient, so the grad norms (not the losses) are what catch a
 gradient that is summed instead of averaged.
 """
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +30,23 @@ FP32 = dict(loss=1e-6, norm=1e-6, param=5e-6)
 BF16 = dict(loss=1e-4, norm=1e-3)
 
 
+def _memory_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("opendit_memory_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _runs(rank, world, cases):
-    return {name: train(**kwargs) for name, kwargs in cases.items()}
+    out = {}
+    for name, kwargs in cases.items():
+        if name.startswith("memory-"):  # benchmarks/memory.py on the tiny model
+            out[name] = _memory_benchmark().measure(kwargs["plugin"], "DiT-debug", dict(
+                input_size=8, in_channels=3, num_classes=10), "bf16", materialize=kwargs["materialize"])
+        else:
+            out[name] = train(**kwargs)
+    return out
 
 
 def _spawn(world, cases):
@@ -50,6 +67,9 @@ def world2():
     cases["zero3-fp32-ac1"] = dict(plugin="zero3", precision="fp32", grad_checkpoint=1)
     cases["ddp-fp32-ac2"] = dict(plugin="ddp", precision="fp32", grad_checkpoint=2)
     cases |= {f"{p}-fp16-overflow": dict(plugin=p, precision="fp16", overflow_step=2) for p in ("ddp", "zero3")}
+    cases |= {"memory-ddp": dict(plugin="ddp", materialize=False),
+              "memory-zero3": dict(plugin="zero3", materialize=False),
+              "memory-zero3-real": dict(plugin="zero3", materialize=True)}
     return _spawn(2, cases)
 
 
@@ -96,7 +116,7 @@ def test_zero2_four_ranks(world1, world4):
 
 
 def test_param_groups_survive_boosting(world2, world4):
-    for run in (*world2.values(), *world4.values()):
+    for run in (r for r in (*world2.values(), *world4.values()) if "groups" in r):
         before, after = run["groups"]
         assert before == after and len(after) == 2 and after[1]["lr"] == 5e-4
 
@@ -123,3 +143,21 @@ def test_fp16_overflow_step_is_skipped_and_counted(world2, plugin):
     # the gradients were unscaled before clipping: the fp16 norm is the fp32 one, up to fp16 rounding
     assert math.isclose(run["norms"][0], fp32["norms"][0], rel_tol=1e-2)
     assert math.isclose(run["losses"][0], fp32["losses"][0], rel_tol=1e-3)
+
+
+def test_memory_benchmark_counts_the_sharded_tensors(world2):
+    from opendit.models import build_model
+    model = build_model("DiT-debug", input_size=8, in_channels=3, num_classes=10)  # as the benchmark builds it
+    params = list(model.parameters())
+    full = sum(p.numel() * 4 for p in params)
+    trainable = sum(p.numel() * 4 for p in params if p.requires_grad)
+    steps = 4 * sum(p.requires_grad for p in params)  # AdamW's fp32 step counter per parameter
+    ddp, zero3 = world2["memory-ddp"], world2["memory-zero3"]
+    assert (ddp["params"], ddp["grads"], ddp["optim"], ddp["gathered"]) == (full, trainable, 2 * trainable + steps, 0)
+    # FSDP2 cuts each parameter's dim 0 in 2: the heaviest rank holds half, plus at most one row per parameter
+    slack = sum(p[0].numel() * 4 for p in params)
+    assert full / 2 <= zero3["params"] <= full / 2 + slack
+    assert trainable / 2 <= zero3["grads"] <= trainable / 2 + slack
+    assert trainable + steps <= zero3["optim"] <= trainable + steps + 2 * slack
+    assert full / 2 <= zero3["ema"] <= full / 2 + slack
+    assert world2["memory-zero3-real"] == zero3, "meta and materialized tensors give different bytes"
