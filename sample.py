@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from opendit import config as cfglib
 from opendit.distributed import cleanup, init_distributed
+from opendit.parallel import validate_sp
 from opendit.inference import global_batches, load_model, make_diffusion, sample_batch, save_png, write_grid
 from opendit.training.run_log import setup_logging
 
@@ -27,6 +29,15 @@ def main(cfg: cfglib.SampleConfig) -> None:
     setup_logging(info.rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     model, vae, settings = load_model(cfg, info.device)
+    dp_rank, dp_size, writer = info.rank, info.world_size, True
+    if cfg.sequence_parallel_size > 1:  # ranks of one SP group share each batch and split its tokens
+        kind = validate_sp(info.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
+                           model.blocks[0].attn.num_heads)
+        mesh = init_device_mesh(info.device.type, (info.world_size // cfg.sequence_parallel_size,
+                                                   cfg.sequence_parallel_size), mesh_dim_names=("dp", "sp"))
+        model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        writer = mesh["sp"].get_local_rank() == 0
     diffusion = make_diffusion(cfg, settings["learn_sigma"])
     labels = cfg.class_labels or list(range(settings["num_classes"]))
     bad = [c for c in labels if not 0 <= c < settings["num_classes"]]
@@ -35,9 +46,9 @@ def main(cfg: cfglib.SampleConfig) -> None:
     num = cfg.num_samples or len(labels)
     out = Path(cfg.out)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for batch in global_batches(num, cfg.batch_size, info.rank, info.world_size):
+    for batch in global_batches(num, cfg.batch_size, dp_rank, dp_size):
         images = sample_batch(model, vae, diffusion, batch, labels, cfg, settings, info.device)
-        for i, image in zip(batch, images):
+        for i, image in zip(batch, images if writer else []):
             save_png(image, out / "images" / f"{i:06d}.png")
         logger.info("samples %d-%d of %d written", batch.start, batch.stop - 1, num)
     dist.barrier()

@@ -29,7 +29,8 @@ def init_distributed() -> DistInfo:
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None)
         else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1, device_id=device if cuda else None)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

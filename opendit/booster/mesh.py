@@ -33,7 +33,7 @@ def validate_parallel_config(plugin: str, world_size: int, dp_replicate: int = 1
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if world_size % sp_size:
         raise ValueError(f"sequence-parallel size {sp_size} does not divide the world size {world_size}; "
-                         f"pick --sp_size among the divisors of {world_size}")
+                         f"pick --sequence_parallel_size among the divisors of {world_size}")
     dp_size = world_size // sp_size
     if dp_replicate > 1 and plugin != "hsdp":
         raise ValueError(f"--dp_replicate {dp_replicate} only applies to --plugin hsdp (plugin {plugin!r} "
@@ -59,8 +59,9 @@ def shard_mesh(mesh: DeviceMesh, replicate: bool) -> DeviceMesh:
     """The mesh FSDP lays parameters on: 1-D (ZeRO) or 2-D (HSDP: replicate x shard).
 
     Parameters are replicated across SP ranks, and every SP rank contributes a gradient, so the shard dim
-    is dp_shard x sp flattened: the reduce-scatter then averages over SP ranks too (right when each SP
-    rank's loss is the mean over its own sequence chunk)."""
+    is dp_shard x sp flattened: the reduce-scatter then averages over SP ranks too. That is right because every
+    SP rank computes the whole sample's loss and the output gather's backward is a reduce-scatter, so the
+    SP-group mean of the gradients is the unsplit gradient (docs/sequence_parallel.md)."""
     shard_dim = "dp_shard"
     if mesh["sp"].size() > 1:
         mesh["dp_shard", "sp"]._flatten("dp_shard_sp")

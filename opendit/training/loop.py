@@ -19,10 +19,20 @@ from opendit.encoders.vae import load_vae
 from opendit.kernels import kernel_status
 from opendit.kernels.attention import resolve_attention_backend
 from opendit.models import MODELS, build_model
+from opendit.parallel import validate_sp
 from opendit.training.objective import DiffusionObjective, latent_geometry
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
 
 logger = logging.getLogger("opendit")
+
+
+def sync_rng(group) -> None:
+    """Give every rank of `group` the RNG state of the group's first rank."""
+    state = [(torch.get_rng_state(), np.random.get_state(), random.getstate())]
+    dist.broadcast_object_list(state, group_src=0, group=group)
+    torch.set_rng_state(state[0][0])
+    np.random.set_state(state[0][1])
+    random.setstate(state[0][2])
 
 
 def seed_everything(seed: int) -> None:
@@ -31,10 +41,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def model_spec(name: str):
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
 def build_dit(cfg, data_channels: int, device):
-    if cfg.model not in MODELS:
-        raise ValueError(f"unknown model {cfg.model!r}; valid names: {', '.join(MODELS)}")
-    patch = MODELS[cfg.model].keywords["patch_size"]
+    patch = model_spec(cfg.model).keywords["patch_size"]
     input_size, in_channels = latent_geometry(cfg.image_size, cfg.vae, data_channels, patch)
     model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
@@ -68,6 +82,8 @@ class Trainer:
             cfg.plugin, mixed_precision=cfg.mixed_precision, dp_replicate=cfg.dp_replicate,
             sp_size=cfg.sequence_parallel_size, grad_checkpoint=cfg.grad_checkpoint, compile=cfg.compile,
             device=self.dist.device))
+        self.sp_kind = validate_sp(self.dist.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
+                                   model_spec(cfg.model).keywords["num_heads"])
         if cfg.grad_accum < 1 or cfg.batch_size % (self.booster.dp_size * cfg.grad_accum):
             raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
                              f"{self.booster.dp_size} x --grad_accum {cfg.grad_accum}")
@@ -79,13 +95,18 @@ class Trainer:
         self.vae = load_vae(cfg.vae, self.dist.device)
         self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
         model = build_dit(cfg, getattr(self.dataset, "channels", 3), self.dist.device)
+        if self.booster.sp_group is not None:
+            model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
+            logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
         logger.info("%s: %.1fM parameters; attention backend %s", cfg.model,
                     sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
         warmup = max(cfg.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+        # batch_size is the global batch; the booster shards it by data-parallel rank with a resumable sampler
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                                             shuffle=True, drop_last=True)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
         self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
@@ -94,6 +115,10 @@ class Trainer:
             self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
                                                lr_scheduler=self.scheduler)
             self.loader.load_state_dict(extra["data"])
+            if self.booster.scaler is not None and "loss_scaler" in extra:
+                self.booster.scaler.load_state_dict(extra["loss_scaler"])
+            if self.booster.sp_group is not None:  # one SP group draws the same noise, also after a re-layout
+                sync_rng(self.booster.sp_group)
             logger.info("resumed from %s at step %d", self.resume_from, self.step)
         steps_per_epoch = len(self.loader)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
@@ -173,6 +198,8 @@ class Trainer:
 
     def save(self) -> None:
         extra = {"data": self.loader.state_dict(), "config": cfglib.to_dict(self.cfg)}
+        if self.booster.scaler is not None:
+            extra["loss_scaler"] = self.booster.scaler.state_dict()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
                                lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last)
         export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
