@@ -24,6 +24,7 @@ import shutil
 import time
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -81,6 +82,17 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
         if match and os.path.isdir(path) and not _missing(path):
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def latest_run_checkpoint(outputs: str) -> str:
+    """The newest complete checkpoint of the newest run folder (outputs/NNN-model/checkpoints) that has one."""
+    runs = sorted(Path(outputs).glob("[0-9]*-*/checkpoints"), reverse=True)  # train.py's run folders
+    for ckpt_root in runs:
+        found = list_checkpoints(str(ckpt_root))
+        if found:
+            return found[-1][1]
+    raise FileNotFoundError(f"latest: no complete checkpoint under {outputs}/NNN-*/checkpoints "
+                            f"(run folders: {[p.parent.name for p in runs]}); train first, or pass a checkpoint folder")
 
 
 def resolve_checkpoint(path_or_latest: str | None, root: str | None = None) -> str:

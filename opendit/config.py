@@ -58,7 +58,8 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    ckpt: str | None = None  # EMA export (.safetensors), training checkpoint dir, or official DiT .pt
+    ckpt: str | None = None  # EMA export (.safetensors), training checkpoint dir, official DiT .pt, or "latest"
+    outputs: str = "outputs"  # where "latest" looks (train.py's --outputs)
     model: str | None = None  # defaults come from the checkpoint's config.yaml when it has one
     image_size: int | None = None
     num_classes: int | None = None

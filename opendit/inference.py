@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from opendit import config as cfglib
-from opendit.checkpoint import load_weights
+from opendit.checkpoint import latest_run_checkpoint, load_weights
 from opendit.diffusion import create_diffusion
 from opendit.encoders.vae import decode, load_vae
 from opendit.kernels.attention import resolve_attention_backend
@@ -22,9 +22,10 @@ logger = logging.getLogger("opendit")
 OFFICIAL_DEFAULTS = dict(model="DiT-XL/2", num_classes=1000, vae="stabilityai/sd-vae-ft-ema", learn_sigma=True)
 
 
-def resolve_weights(ckpt: str) -> tuple[Path, dict]:
-    """ckpt -> (weights file, the training config found beside it or inside it, {} if none)."""
-    path = Path(ckpt)
+def resolve_weights(ckpt: str, outputs: str = "outputs") -> tuple[Path, dict]:
+    """ckpt ("latest" = newest checkpoint under outputs) -> (weights file, the training config found beside it
+    or inside it, {} if none)."""
+    path = Path(latest_run_checkpoint(outputs) if ckpt == "latest" else ckpt)
     if path.is_dir():
         # the EMA export written beside the DCP shards; without it (a crash between the two) read the shards
         weights = path / "ema.safetensors" if (path / "ema.safetensors").is_file() else path
@@ -59,7 +60,7 @@ def settings_for(cfg: cfglib.SampleConfig, trained: dict, ckpt_path: Path) -> di
 
 
 def load_model(cfg: cfglib.SampleConfig, device):
-    weights_path, trained = resolve_weights(cfg.ckpt)
+    weights_path, trained = resolve_weights(cfg.ckpt, cfg.outputs)
     s = settings_for(cfg, trained, weights_path)
     if s["model"] not in MODELS:
         raise ValueError(f"unknown model {s['model']!r}; valid names: {', '.join(MODELS)}")

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
-from opendit.checkpoint import export_ema, list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
+                                save_checkpoint)
 from opendit.data import build_dataset
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
@@ -58,18 +59,6 @@ def build_dit(cfg, data_channels: int, device):
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=backend)
     return model
-
-
-def latest_checkpoint(outputs: str) -> str:
-    """The newest complete checkpoint of the newest run folder (outputs/NNN-model/checkpoints) that has one."""
-    runs = sorted(Path(outputs).glob("[0-9]*-*/checkpoints"), reverse=True)
-    for ckpt_root in runs:
-        found = list_checkpoints(str(ckpt_root))
-        if found:
-            return found[-1][1]
-    raise FileNotFoundError(f"--load latest: no complete checkpoint under {outputs}/NNN-*/checkpoints "
-                            f"(run folders: {[p.parent.name for p in runs]}); start without --load or pass a "
-                            f"checkpoint folder")
 
 
 class Trainer:
@@ -129,7 +118,7 @@ class Trainer:
             return None
         path = None
         if self.dist.rank == 0:
-            path = latest_checkpoint(self.cfg.outputs) if self.cfg.load == "latest" else resolve_checkpoint(self.cfg.load)
+            path = latest_run_checkpoint(self.cfg.outputs) if self.cfg.load == "latest" else resolve_checkpoint(self.cfg.load)
         return broadcast_object(path)
 
     def _make_run_dir(self) -> Path:
