@@ -119,6 +119,10 @@ class MFUMeter:
         self.flops_per_image, self.world_size, self.peak = flops_per_image, world_size, peak_flops_per_s
         self._t0 = time.perf_counter()
 
+    def reset(self) -> None:
+        """Start the interval now (call when the training loop starts, so set-up time is not counted)."""
+        self._t0 = time.perf_counter()
+
     def update(self, images: int) -> dict:
         """images: global images trained since the last call (or construction) -> metrics for the log."""
         now = time.perf_counter()

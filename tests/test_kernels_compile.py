@@ -62,7 +62,7 @@ def _block(kernels_on: bool):
 def _run(blk, x, c, fn=None):
     """Output and grads wrt x, c and every parameter of blk; fn (default blk) is blk or its compiled twin."""
     out = (blk if fn is None else fn)(x, c)
-    dout = torch.randn_like(out, generator=torch.Generator(DEVICE).manual_seed(1))
+    dout = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE)
     grads = torch.autograd.grad(out, [x, c, *blk.parameters()], dout)
     return out, grads
 

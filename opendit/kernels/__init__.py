@@ -5,6 +5,9 @@ The Triton kernel runs when `use_kernel` is True AND triton imports AND (x is on
 TRITON_INTERPRET=1, the CPU interpreter used by the tests) AND the dtypes are fp16 / bf16 / fp32;
 otherwise the reference runs (logged once per function). `kernel_status()` says which path runs.
 `layer_norm` prefers apex's FusedLayerNorm when apex imports and x is on CUDA.
+The Triton forward and backward passes are torch.library custom ops ("opendit::norm_fwd", ...,
+with fake impls and registered autograd), so torch.compile keeps a block that calls them in one
+graph (tests/test_kernels_compile.py) instead of breaking the graph at every kernel.
 
 Shapes: x [B, N, C] (or [B, *, C]: every token of sample b uses row b); shift / scale / gate
 [B, C] (or [B, 1, C]); weight / bias [C]; RoPE: x [B, H, N, D], freqs [N, D/2] or [B, N, D/2].
