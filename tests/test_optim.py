@@ -202,3 +202,15 @@ def test_param_groups_keep_their_own_options():
                  {"params": m[3].parameters()}], lr=1e-2, small_numel=256)
     train(m, opt, batches(2))
     assert "exp_avg.u16" in opt.state[m[0].weight] and "exp_avg" in opt.state[m[3].weight]
+
+
+def test_groups_rebound_before_the_first_step():
+    # a booster swaps the parameters in the groups (e.g. for FSDP2 shards) before any state exists
+    data = batches(3)
+    ref = train(m := tiny(torch.bfloat16), build_optimizer(m.parameters(), "adamw", lr=1e-3,
+                                                           master_weights="bf16_stochastic"), data)
+    m = tiny(torch.bfloat16)
+    opt = build_optimizer(tiny(torch.bfloat16).parameters(), "adamw", lr=1e-3, master_weights="bf16_stochastic")
+    opt.param_groups[0]["params"] = list(m.parameters())
+    train(m, opt, data)
+    assert torch.equal(flat(ref), flat(m))

@@ -32,7 +32,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         self.placement = StatePlacement(state_device)
         self.master = MasterWeights(defaults["master_weights"], seed)
         self.fused_backward = False  # set by fused_backward.attach_fused_backward
-        self._index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._index = {}
         for group in self.param_groups:
             for p in group["params"]:
                 self.master.check(local_tensor(p))
@@ -48,6 +48,7 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p, group):
         local = local_tensor(p)
+        self.master.check(local)  # again here: a booster may have rebound the groups since __init__
         host_dev, pin = self.placement.host_device(local.device), self.placement.pin(local.device)
         st = {"step": torch.zeros((), dtype=torch.float32)}
         st.update(self._init_scalars())
@@ -102,8 +103,14 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._update(w32, g32, states, group, step, st)
         for n in self.state_names:
             fmt.encode(states[n], {q: parts[part_key(n, q)] for q in fmt.parts})
-        self.master.scatter(w32, local, parts, (self._index[id(p)], step))
+        self.master.scatter(w32, local, parts, (self._param_index(p), step))
         self.placement.write_back(host, parts)
+
+    def _param_index(self, p):
+        # Rebuilt on a miss: a booster may rebind the groups to sharded parameters after construction.
+        if id(p) not in self._index:
+            self._index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        return self._index[id(p)]
 
     def _clipped(self, p, g32, group):
         """Per-tensor clipping to group['per_tensor_clip'] (the norm of the whole tensor, across shards)."""
