@@ -122,3 +122,19 @@ def test_dit_block_fullgraph_inductor_matches_eager():
     x, c = _t(2, 16, 64), _t(2, 64)
     compiled = torch.compile(blk, backend="inductor", fullgraph=True)
     _assert_same(_run(blk, x, c, compiled), _run(blk, x, c))
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_probing_before_compile_avoids_a_recompile(monkeypatch, probe_first):
+    """Dynamo guards on the optional-import cache: a first probe inside the trace costs one recompile."""
+    from torch._dynamo.testing import CompileCounter
+    monkeypatch.setattr(kernels, "_probed", {})
+    torch._dynamo.reset()
+    if probe_first:
+        kernels.probe_optional_imports()
+    blk, counter = _block(kernels_on=True), CompileCounter()
+    compiled = torch.compile(blk, backend=counter)
+    x, c = _t(2, 16, 64), _t(2, 64)
+    for _ in range(3):
+        compiled(x, c)
+    assert counter.frame_count == (1 if probe_first else 2)

@@ -53,6 +53,15 @@ def _apex_layer_norm():
     return _probed["apex"]
 
 
+def probe_optional_imports() -> None:
+    """Probe triton, apex and flash-attn now. torch.compile guards on the probe cache, so a first probe
+    inside a compiled block would make it recompile once the cache fills: call this before compiling."""
+    _triton_version()
+    _apex_layer_norm()
+    from opendit.kernels.attention import _flash_fn
+    _flash_fn()
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

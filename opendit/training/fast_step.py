@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from opendit.booster.parallelize import iter_blocks
+from opendit.kernels import probe_optional_imports
 
 PRECISIONS = ("fp32", "autocast_bf16", "bf16_master")
 COMPILE_TARGETS = (None, "model", "blocks")
@@ -83,6 +84,8 @@ def compile_model(model: nn.Module, target: str | None, backend: str = "inductor
     """Compile in place (state_dict keys unchanged): the whole model, or each block and the final layer."""
     if target not in COMPILE_TARGETS:
         raise ValueError(f"compile target {target!r} is unknown; choose one of {COMPILE_TARGETS}")
+    if target is not None:
+        probe_optional_imports()  # else the first compiled call fills the probe cache and recompiles
     if target == "model":
         model.compile(backend=backend, mode=mode)
     elif target == "blocks":
