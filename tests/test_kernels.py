@@ -246,7 +246,7 @@ def test_bad_shapes_name_the_input():
 
 
 def test_kernels_inside_torch_compile_match_eager():
-    """The booster compiles blocks that call these; the kernels run between graphs, results unchanged."""
+    """The booster compiles blocks that call these; the kernels are custom ops inside the graph, results unchanged."""
     torch.manual_seed(13)
 
     def block(x, shift, scale, gate, y, cos, sin):

@@ -43,6 +43,8 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile each block separately: blocks repeat, so one compiled graph is reused."""
+    from opendit.kernels import probe_optional_imports
+    probe_optional_imports()  # a first probe inside a compiled block would force one recompile
     for block in iter_blocks(model):
         block.compile(backend=backend)
 

@@ -17,7 +17,8 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
 
     def forward(self, x):
-        return self.proj(x).flatten(2).transpose(1, 2)
+        # contiguous: every block then sees the same strides, so a per-block compile does not recompile block 0
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:

@@ -21,6 +21,7 @@ from opendit.kernels import kernel_status
 from opendit.kernels.attention import resolve_attention_backend
 from opendit.models import MODELS, build_model
 from opendit.parallel import validate_sp
+from opendit.perf import MFUMeter, dit_train_flops_per_image
 from opendit.training.objective import DiffusionObjective, latent_geometry
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
 
@@ -89,6 +90,8 @@ class Trainer:
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
         logger.info("%s: %.1fM parameters; attention backend %s", cfg.model,
                     sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
+        self.mfu = MFUMeter(dit_train_flops_per_image(model), world_size=self.dist.world_size,
+                            device=self.dist.device)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
         warmup = max(cfg.warmup_steps, 0)
@@ -136,7 +139,7 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self) -> list[float]:
         cfg, losses = self.cfg, []
-        log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step)
+        log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step, mfu_meter=self.mfu)
         logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
                     self.total_steps, cfg.batch_size, self.booster.dp_size)
         self.model.train()

@@ -27,8 +27,9 @@ def new_run_dir(outputs: str, model_name: str) -> Path:
 class RunLogger:
     """Writes metrics on rank 0 only: a JSONL line per log event, TensorBoard scalars, a console line."""
 
-    def __init__(self, run_dir: Path, rank: int, total_steps: int, start_step: int):
-        self.rank, self.total_steps = rank, total_steps
+    def __init__(self, run_dir: Path, rank: int, total_steps: int, start_step: int, mfu_meter=None):
+        """mfu_meter: an opendit.perf.MFUMeter that turns img/s into TFLOP/s per device and MFU."""
+        self.rank, self.total_steps, self.mfu_meter = rank, total_steps, mfu_meter
         self.jsonl = self.tb = None
         if rank == 0:
             self.jsonl = open(Path(run_dir) / "log.jsonl", "a")
@@ -45,6 +46,8 @@ class RunLogger:
         dt = max(now - self._t0, 1e-9)
         steps_per_s = (step - self._step0) / dt
         rate = dict(steps_per_s=steps_per_s, img_per_s=images / dt)
+        if self.mfu_meter is not None:
+            rate.update(self.mfu_meter.metrics(rate["img_per_s"]))
         self._t0, self._step0 = now, step
         if self.rank != 0:
             return
@@ -56,8 +59,9 @@ class RunLogger:
                 self.tb.add_scalar(f"train/{k}", v, step)
         eta = (self.total_steps - step) / steps_per_s if steps_per_s > 0 else float("inf")
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-        logger.info("step %d/%d %s | %.2f steps/s %.1f img/s | ETA %s", step, self.total_steps, shown,
-                    steps_per_s, rate["img_per_s"], _fmt_eta(eta))
+        mfu = f" MFU {rate['mfu']:.1%}" if "mfu" in rate else ""
+        logger.info("step %d/%d %s | %.2f steps/s %.1f img/s%s | ETA %s", step, self.total_steps, shown,
+                    steps_per_s, rate["img_per_s"], mfu, _fmt_eta(eta))
 
     def close(self) -> None:
         if self.jsonl is not None:
