@@ -5,7 +5,7 @@ import torch
 
 from opendit.models import MODELS, build_model
 
-SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
 
 
 def analytic_params(depth, d, patch, input_size=32, c=4, classes=1000):
@@ -19,7 +19,7 @@ def analytic_params(depth, d, patch, input_size=32, c=4, classes=1000):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("patch", [2, 4, 8])
-def test_parameter_counts_of_the_twelve_configs(size, patch):
+def test_parameter_counts_of_the_paper_configs_and_ti(size, patch):
     depth, d, heads = SIZES[size]
     with torch.device("meta"):
         model = build_model(f"DiT-{size}/{patch}", input_size=32)
@@ -97,4 +97,4 @@ def test_unknown_model_and_bad_sizes_give_clear_errors():
         build_model("DiT-XXL/2")
     with pytest.raises(ValueError, match="not divisible by patch size"):
         build_model("DiT-S/8", input_size=12)
-    assert len(MODELS) == 13
+    assert len(MODELS) == 16  # the paper's 12, Ti/{2,4,8} and DiT-debug

@@ -3,7 +3,8 @@ from functools import partial
 
 from opendit.models.dit import DiT
 
-_DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+# (depth, hidden, heads): the DiT paper's four sizes, plus Ti (DeiT-Tiny widths) for CPU demos
+_DIT_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
 
 MODELS = {
     f"DiT-{size}/{patch}": partial(DiT, depth=d, hidden_size=h, num_heads=n, patch_size=patch)

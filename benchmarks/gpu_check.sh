@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one go, for a short lease on one GPU (H200): under ~9.5 minutes in all.
+# Results land under $OUT (default ./gpu_results). Run from the repository root; no install (PYTHONPATH=.).
+#   OUT=/tmp/r bash benchmarks/gpu_check.sh
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+start=$(date +%s)
+stamp() { echo "== $1 (t=$(( $(date +%s) - start )) s)"; }
+
+stamp "device" | tee "$OUT/device.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$OUT/device.txt"
+
+stamp "training throughput (DiT-XL/2, 256px, batch 256)"
+timeout "${THROUGHPUT_S:-250}" python3 benchmarks/train_throughput.py --model DiT-XL/2 --image_size 256 \
+  --batch_size 256 --recipe_batch_size 32 --warmup 3 --steps 8 --time_budget "${BUDGET_S:-190}" \
+  --out "$OUT/train_throughput.md" 2>&1 | grep -v Warning | tail -30
+
+stamp "kernel benchmark"
+timeout "${KERNELS_S:-60}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30
+
+stamp "optimizer offload (DiT-XL/2, batch 32)"
+timeout "${OPTIM_S:-80}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \
+  --out "$OUT/optim_offload.md" 2>&1 | grep -v Warning | tail -12
+
+stamp "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap)"
+timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_attention.py \
+  tests/test_kernels_compile.py tests/test_perf.py tests/test_optim_fused.py tests/test_block_swap.py -m gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+
+stamp "train.py on CUDA: zero2, bf16, kernels, flash, compile, 6 steps, then resume"
+rm -rf /tmp/gpu_train
+{ timeout 60 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 6 --log_every 2 \
+    --ckpt_every 3 --num_workers 0 --plugin zero2 --mixed_precision bf16 --enable_modulate_kernel \
+    --enable_layernorm_kernel --enable_flashattn --compile --outputs /tmp/gpu_train \
+  && timeout 40 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 8 --log_every 2 \
+    --num_workers 0 --plugin zero2 --mixed_precision bf16 --outputs /tmp/gpu_train --load latest; } 2>&1 \
+  | grep -v Warning | tail -14 | tee "$OUT/train_smoke.txt"
+stamp "done"
