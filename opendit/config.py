@@ -34,6 +34,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 0.0  # 0: off
+    # optimizer (opendit/optim; docs/memory_lean.md). All defaults: torch's AdamW, as before
+    optimizer: str = "adamw"  # adamw | nadamw | adan | adafactor (torch's)
+    optimizer_offload: bool = False  # optimizer states in host memory, streamed per parameter
+    optimizer_state_dtype: str = "fp32"  # fp32 | bf16 | u16 | f24
+    master_weights: str = "fp32"  # fp32 | bf16_exact | bf16_stochastic (bf16 params; needs bf16 mixed precision)
+    fused_backward: bool = False  # update each parameter in its post-accumulate-grad hook; no full gradient set
+    blocks_to_swap: int = 0  # keep the last N blocks' weights on the host (one process, --plugin ddp)
     ema_decay: float = 0.9999
     global_seed: int = 0
     num_workers: int = 4

@@ -1,6 +1,7 @@
 """Plugins: how a model is made data-parallel. `build_plugin(name, ...)` is what `--plugin` selects.
 
-    ddp              DistributedDataParallel; fp32 params, torch.autocast for bf16/fp16
+    ddp              DistributedDataParallel; fp32 params, torch.autocast for bf16/fp16. One process: no wrapper
+                     (nothing to all-reduce), and blocks_to_swap=N keeps N blocks on the host (BlockSwap)
     zero2            fully_shard(reshard_after_forward=False): params gathered once per step
     zero3 / fsdp     fully_shard(reshard_after_forward=True): params gathered block by block
     hsdp             fully_shard on a (replicate, shard) mesh
@@ -37,11 +38,14 @@ class Plugin:
 
     def __init__(self, mixed_precision: str = "fp32", dp_replicate: int = 1, sp_size: int = 1,
                  grad_checkpoint: int = 0, compile: bool | str = False, device: torch.device | str | None = None,
-                 reduce_dtype: str = "fp32"):
+                 reduce_dtype: str = "fp32", blocks_to_swap: int = 0):
         # world-independent checks now; the world-size checks run in validate() once a group exists
         validate_parallel_config(self.name, sp_size * dp_replicate, dp_replicate, sp_size, mixed_precision,
                                  int(grad_checkpoint) if isinstance(grad_checkpoint, bool) else grad_checkpoint)
         compute_dtype(reduce_dtype)
+        _check_blocks_to_swap(self.name, blocks_to_swap, compile)
+        self.blocks_to_swap = blocks_to_swap
+        self.block_swap = None  # the BlockSwap, once parallelize has placed the model
         self.mixed_precision = mixed_precision
         self.dp_replicate, self.sp_size = dp_replicate, sp_size
         self.grad_checkpoint = int(grad_checkpoint)
@@ -52,6 +56,10 @@ class Plugin:
     def validate(self, world_size: int) -> None:
         validate_parallel_config(self.name, world_size, self.dp_replicate, self.sp_size, self.mixed_precision,
                                  self.grad_checkpoint)
+        if self.blocks_to_swap and world_size > 1:
+            raise ValueError(f"--blocks_to_swap {self.blocks_to_swap} streams blocks to the one GPU of a single "
+                             f"process, but the world size is {world_size}; run one process, or shard the model "
+                             f"across GPUs instead (--plugin zero3 or gemini) with --blocks_to_swap 0")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         return mesh_shape(self.name, world_size, self.dp_replicate, self.sp_size)
@@ -85,6 +93,15 @@ class DDPPlugin(Plugin):
 
     def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         self.prepare_blocks(model)
+        if mesh.size() == 1:
+            # One process has nothing to all-reduce; DDP would only add buckets holding every gradient (which
+            # a fused backward pass exists to avoid). Weights move in place, so the optimizer's references hold.
+            if self.blocks_to_swap:
+                from opendit.optim import BlockSwap
+                self.block_swap = BlockSwap(model, self.blocks_to_swap, device=self.device)  # places the model
+            else:
+                model.to(self.device)
+            return model
         model.to(self.device)  # in place: the Parameter objects (and the optimizer's references) survive
         # the whole world is one replica group: dp_shard is 1, and SP ranks average their chunk gradients too
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -97,9 +114,11 @@ class DDPPlugin(Plugin):
         return torch.autocast(self.device.type, dtype=compute_dtype(self.mixed_precision))
 
     def no_sync(self, model: nn.Module):
-        if not isinstance(model, DDP):
+        if isinstance(model, DDP):
+            return model.no_sync()
+        if torch.distributed.get_world_size() > 1:
             raise TypeError("no_sync needs the model returned by booster.boost (a DistributedDataParallel)")
-        return model.no_sync()
+        return contextlib.nullcontext()  # one process, no wrapper: gradients are never synced anyway
 
 
 class FSDPPlugin(Plugin):
@@ -155,6 +174,21 @@ class GeminiPlugin(FSDPPlugin):
     offload = True
 
 
+def _check_blocks_to_swap(plugin: str, blocks_to_swap: int, compile) -> None:
+    if not isinstance(blocks_to_swap, int) or blocks_to_swap < 0:
+        raise ValueError(f"--blocks_to_swap must be an integer >= 0, got {blocks_to_swap!r}")
+    if not blocks_to_swap:
+        return
+    if plugin != "ddp":
+        raise ValueError(f"--blocks_to_swap {blocks_to_swap} does not combine with --plugin {plugin}: FSDP2 owns "
+                         "where its shards live; use --plugin ddp in one process, or --plugin gemini to keep "
+                         "sharded weights on the CPU")
+    if compile:
+        raise ValueError(f"--blocks_to_swap {blocks_to_swap} with --compile is not supported: swapping repoints "
+                         "each block's weights in hooks around its forward, which per-block compile would trace "
+                         "or guard on; drop --compile or use --blocks_to_swap 0")
+
+
 PLUGINS = {"ddp": DDPPlugin, "zero2": Zero2Plugin, "zero3": Zero3Plugin, "fsdp": Zero3Plugin,
            "hsdp": HSDPPlugin, "gemini": GeminiPlugin}
 assert set(PLUGINS) == set(PLUGIN_NAMES)
@@ -162,8 +196,9 @@ assert set(PLUGINS) == set(PLUGIN_NAMES)
 
 def build_plugin(name: str, mixed_precision: str = "fp32", dp_replicate: int = 1, sp_size: int = 1,
                  grad_checkpoint: int = 0, compile: bool | str = False, device=None,
-                 reduce_dtype: str = "fp32") -> Plugin:
+                 reduce_dtype: str = "fp32", blocks_to_swap: int = 0) -> Plugin:
     if name not in PLUGINS:
         raise ValueError(f"unknown plugin {name!r}; valid plugins: {', '.join(PLUGINS)}")
     return PLUGINS[name](mixed_precision=mixed_precision, dp_replicate=dp_replicate, sp_size=sp_size,
-                         grad_checkpoint=grad_checkpoint, compile=compile, device=device, reduce_dtype=reduce_dtype)
+                         grad_checkpoint=grad_checkpoint, compile=compile, device=device, reduce_dtype=reduce_dtype,
+                         blocks_to_swap=blocks_to_swap)

@@ -23,6 +23,8 @@ from opendit.models import MODELS, build_model
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter, dit_train_flops_per_image
 from opendit.training.objective import DiffusionObjective, latent_geometry
+from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
+                                        prepare_boosted_optimizer, validate_optimizer)
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
 
 logger = logging.getLogger("opendit")
@@ -71,7 +73,12 @@ class Trainer:
         self.booster = Booster(build_plugin(
             cfg.plugin, mixed_precision=cfg.mixed_precision, dp_replicate=cfg.dp_replicate,
             sp_size=cfg.sequence_parallel_size, grad_checkpoint=cfg.grad_checkpoint, compile=cfg.compile,
-            device=self.dist.device))
+            device=self.dist.device, blocks_to_swap=cfg.blocks_to_swap))
+        self.optim_opts = OptimizerOptions(cfg.optimizer, cfg.optimizer_offload, cfg.optimizer_state_dtype,
+                                           cfg.master_weights, cfg.fused_backward)
+        validate_optimizer(self.optim_opts, plugin=cfg.plugin, world_size=self.dist.world_size,
+                           mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
+                           blocks_to_swap=cfg.blocks_to_swap)
         self.sp_kind = validate_sp(self.dist.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
                                    model_spec(cfg.model).keywords["num_heads"])
         if cfg.grad_accum < 1 or cfg.batch_size % (self.booster.dp_size * cfg.grad_accum):
@@ -84,7 +91,9 @@ class Trainer:
         self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size)
         self.vae = load_vae(cfg.vae, self.dist.device)
         self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
-        model = build_dit(cfg, getattr(self.dataset, "channels", 3), self.dist.device)
+        with torch.random.fork_rng(devices=[]):  # every rank builds the same weights (FSDP shards each rank's own)
+            torch.manual_seed(cfg.global_seed)
+            model = build_dit(cfg, getattr(self.dataset, "channels", 3), self.dist.device)
         if self.booster.sp_group is not None:
             model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
@@ -92,8 +101,8 @@ class Trainer:
                     sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
         self.mfu = MFUMeter(dit_train_flops_per_image(model), world_size=self.dist.world_size,
                             device=self.dist.device)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                      weight_decay=cfg.weight_decay)
+        cast_for_master_weights(model, cfg.master_weights)
+        optimizer = self._build_optimizer(model)
         warmup = max(cfg.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         # batch_size is the global batch; the booster shards it by data-parallel rank with a resumable sampler
@@ -101,6 +110,8 @@ class Trainer:
                                              shuffle=True, drop_last=True)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
+        # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter
+        self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_opts, cfg.grad_accum)
         self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
         self.step = 0
         if self.resume_from is not None:
@@ -116,6 +127,17 @@ class Trainer:
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
 
     # ---- set-up helpers -----------------------------------------------------------------------------------------
+    def _build_optimizer(self, model) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        # torch AdamW's fused kernel needs every parameter on the GPU at step time
+        fused_kernel = self.dist.device.type == "cuda" and cfg.plugin != "gemini" and not cfg.blocks_to_swap
+        optimizer = build_train_optimizer([p for p in model.parameters() if p.requires_grad], self.optim_opts,
+                                          lr=cfg.lr, weight_decay=cfg.weight_decay, fused_kernel=fused_kernel,
+                                          seed=cfg.global_seed)
+        logger.info("optimizer %s%s", type(optimizer).__name__,
+                    f" ({self.optim_opts})" if self.optim_opts.lean else "")
+        return optimizer
+
     def _resolve_resume(self):
         if not self.cfg.load:
             return None
@@ -182,7 +204,9 @@ class Trainer:
                 loss = self.objective.loss(self.model, xm, ym) / cfg.grad_accum
                 booster.backward(loss, self.optimizer)
             total += loss.item()
-        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if cfg.grad_clip > 0 else float("nan")
+        # never under --fused_backward (refused at start): its gradients are gone, each freed after its update
+        clip = cfg.grad_clip > 0 and self.fused is None
+        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if clip else float("nan")
         if booster.step(self.optimizer):
             self.scheduler.step()
             self.ema.update(self.model)
