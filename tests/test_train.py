@@ -58,7 +58,7 @@ def test_run_folder_holds_config_log_tensorboard_and_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(model="DiT-XXL/2"), "valid names: DiT-S/2"),
+    (dict(model="DiT-XXL/2"), "valid names: .*DiT-S/2"),
     (dict(image_size=9), "multiple of patch size"),
     (dict(dataset="folder", data_path=None), "--data_path"),
     (dict(dataset="folder", data_path="/nonexistent/imagenet"), "/nonexistent/imagenet"),

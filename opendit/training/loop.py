@@ -123,7 +123,8 @@ class Trainer:
             if self.booster.sp_group is not None:  # one SP group draws the same noise, also after a re-layout
                 sync_rng(self.booster.sp_group)
             logger.info("resumed from %s at step %d", self.resume_from, self.step)
-        steps_per_epoch = len(self.loader)
+        # from the epoch's start, not from a resumed position (len(loader) counts what is left of this epoch)
+        steps_per_epoch = self.loader.sampler.epoch_samples(0) // cfg.batch_size
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
 
     # ---- set-up helpers -----------------------------------------------------------------------------------------
