@@ -1,7 +1,7 @@
 """Digits quality benchmark: train a small DiT on the built-in digits on the CPU, sample every class from the
 EMA, and ask an independent classifier (trained on real digits only) which digit each sample shows.
 
-    python benchmarks/digits_quality.py                    # the README figure (about 15 minutes on 2 CPU cores)
+    python benchmarks/digits_quality.py                    # the README figure (about 10 minutes on 2 CPU cores)
     python benchmarks/digits_quality.py --max_steps 50 --samples_per_class 4    # smoke run
 
 Prints: the classifier's accuracy on real held-out digits, and on the generated samples (target >= 80%).
@@ -37,7 +37,7 @@ def train_classifier(image_size: int):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="DiT-S/2")
+    p.add_argument("--model", default="DiT-Ti/4")
     p.add_argument("--image_size", type=int, default=16)
     p.add_argument("--max_steps", type=int, default=2000)
     p.add_argument("--batch_size", type=int, default=64)
