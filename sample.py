@@ -1,6 +1,6 @@
 """Sample class-conditional images from a DiT checkpoint (EMA export, training checkpoint or official .pt).
 
-    python sample.py --ckpt outputs/000-DiT-S-2/checkpoints/step-0002000 --num_samples 20
+    python sample.py --ckpt outputs/000-DiT-Ti-4/checkpoints/step-002000 --num_samples 20
     torchrun --nproc_per_node 4 sample.py --ckpt DiT-XL-2-256x256.pt --image_size 256 --cfg_scale 4 --npz
 """
 import argparse
