@@ -18,18 +18,15 @@ parameters plus two blocks (the running one and the prefetched next). gemini kee
 states and EMA on the CPU, so its accelerator memory is the `gathered` column alone.
 """
 import argparse
-import os
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from opendit.booster import Booster, build_plugin  # noqa: E402
+from opendit.distributed import spawn_gloo  # noqa: E402
 from opendit.booster import parallelize as par  # noqa: E402
 from opendit.booster.precision import compute_dtype  # noqa: E402
 from opendit.models import build_model  # noqa: E402
@@ -94,34 +91,20 @@ def ema_bytes(model, booster) -> int:
     return ShardedEMA(model, decay=0.9999, dp_group=booster.dp_mesh).local_bytes()
 
 
-def _rank_main(rank, world, port, out_dir, plugins, model_name, model_kwargs, precision, materialize):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = {}
-        for plugin in plugins:
-            if plugin == "hsdp" and world % 2:
-                continue  # needs dp_replicate=2 to differ from zero3
-            mine = measure(plugin, model_name, model_kwargs, precision, materialize)
-            every = [None] * world
-            dist.all_gather_object(every, mine)
-            rows[plugin] = {k: max(r[k] for r in every) for k in mine}  # the heaviest rank
-        if rank == 0:
-            torch.save(rows, os.path.join(out_dir, f"{world}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank, world, plugins, model_name, model_kwargs, precision, materialize) -> dict:
+    rows = {}
+    for plugin in plugins:
+        if plugin == "hsdp" and world % 2:
+            continue  # needs dp_replicate=2 to differ from zero3
+        mine = measure(plugin, model_name, model_kwargs, precision, materialize)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        rows[plugin] = {k: max(r[k] for r in every) for k in mine}  # the heaviest rank
+    return rows
 
 
 def run_world(world: int, plugins, model_name, model_kwargs, precision, materialize) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(world, port, out_dir, plugins, model_name, model_kwargs, precision, materialize),
-                 nprocs=world, join=True)
-        return torch.load(os.path.join(out_dir, f"{world}.pt"))
+    return spawn_gloo(_rank_main, world, plugins, model_name, model_kwargs, precision, materialize)[0]
 
 
 def format_table(results: dict, plugins) -> str:

@@ -68,7 +68,6 @@ def run(name, dtype, kw, a):
         fwd_bwd()
         opt_ms = timed(opt.step, 1)
     compute_ms = timed(lambda: (fwd_bwd(), [setattr(p, "grad", None) for p in params]), a.steps)
-    del model, opt, params
     return step_ms, compute_ms, opt_ms, peak
 
 

@@ -5,10 +5,14 @@ a GPU exists, gloo otherwise. A plain `python train.py` gets a one-process gloo 
 (DeviceMesh, DTensor, DCP) run everywhere.
 """
 import os
+import socket
+import tempfile
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 @dataclass
@@ -51,3 +55,36 @@ def cleanup() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank, world_size, port, result_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        out = {"ok": fn(rank, world_size, *args)}
+    except BaseException:
+        out = {"error": traceback.format_exc()}
+        raise
+    finally:
+        torch.save(out, os.path.join(result_dir, f"{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn, world_size: int, *args) -> list:
+    """Run fn(rank, world_size, *args) in world_size spawned CPU processes joined in a gloo group (tests and
+    benchmarks); returns fn's return values by rank. fn must be importable (module level)."""
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.spawn(_spawned, args=(world_size, _free_port(), result_dir, fn, args), nprocs=world_size, join=True)
+        results = [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError("a rank failed:\n" + errors[0])
+    return [r["ok"] for r in results]

@@ -18,7 +18,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.distributed import run_distributed
 from tests.test_booster_helpers import train, train_plain

@@ -16,7 +16,6 @@ Tolerances:
 """
 import io
 import math
-import os
 import sys
 from pathlib import Path
 

@@ -3,7 +3,6 @@
 It ships inside scikit-learn, so the demo and the quality benchmark run offline on a laptop.
 """
 import numpy as np
-import torch
 from PIL import Image
 from torch.utils.data import Dataset
 

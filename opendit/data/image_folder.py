@@ -6,7 +6,6 @@ slot is filled by the next readable index, so every batch keeps its full size.
 import logging
 import os
 
-import torch
 from PIL import Image
 from torch.utils.data import Dataset
 

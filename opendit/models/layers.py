@@ -4,7 +4,6 @@ import math
 import torch
 import torch.nn as nn
 
-from opendit import kernels
 from opendit.kernels.attention import attention
 
 

@@ -1,7 +1,6 @@
 """The training loop in three levels: `train` (build, resume, cadence), `train_step` (accumulation, clipping,
 step, EMA) and the objective's `loss` (what one micro-batch costs)."""
 import logging
-import math
 import random
 from pathlib import Path
 
