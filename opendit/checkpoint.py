@@ -332,8 +332,15 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
 
 def load_weights(path: str, key: str | None = None) -> dict[str, torch.Tensor]:
     """{official fqn: tensor} on the CPU from a .safetensors export, an official DiT .pt (a plain state_dict
-    or a training checkpoint {"model", "ema", ...}) or a step directory. `key` picks "ema" or "model";
-    default: the EMA when the file has one (sampling wants the EMA). No collective inside."""
+    or a training checkpoint {"model", "ema", ...}), a step directory, or a diffusers DiT folder (model folder
+    with config.json, or pipeline folder with transformer/; converted to official keys). `key` picks "ema" or
+    "model"; default: the EMA when the file has one (sampling wants the EMA). No collective inside."""
+    from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
+
+    if is_diffusers_dir(path):
+        if key is not None:
+            raise ValueError(f"{path!r} is a diffusers folder with one set of weights; key={key!r} does not apply")
+        return load_diffusers_dit(path)[1]
     if os.path.isdir(path):
         with open(os.path.join(resolve_checkpoint(path), "meta.json")) as f:
             has_ema = json.load(f)["has_ema"]
