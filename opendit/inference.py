@@ -14,6 +14,7 @@ from opendit.diffusion import create_diffusion
 from opendit.encoders.vae import decode, load_vae
 from opendit.kernels.attention import resolve_attention_backend
 from opendit.models import MODELS, build_model
+from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
 from opendit.training.objective import latent_geometry
 
 logger = logging.getLogger("opendit")
@@ -22,21 +23,29 @@ logger = logging.getLogger("opendit")
 OFFICIAL_DEFAULTS = dict(model="DiT-XL/2", num_classes=1000, vae="stabilityai/sd-vae-ft-ema", learn_sigma=True)
 
 
-def resolve_weights(ckpt: str, outputs: str = "outputs") -> tuple[Path, dict]:
-    """ckpt ("latest" = newest checkpoint under outputs) -> (weights file, the training config found beside it
-    or inside it, {} if none)."""
+def resolve_weights(ckpt: str, outputs: str = "outputs") -> tuple[Path, dict, dict | None]:
+    """ckpt ("latest" = newest checkpoint under outputs) -> (weights path, the training config found beside it
+    or inside it ({} if none), the state_dict when reading the settings already loaded it (else None))."""
     path = Path(latest_run_checkpoint(outputs) if ckpt == "latest" else ckpt)
+    if is_diffusers_dir(str(path)):  # a diffusers DiT (e.g. facebook/DiT-XL-2-256): its config gives the settings
+        spec, state = load_diffusers_dit(str(path))
+        kw = spec["kwargs"]
+        settings = dict(OFFICIAL_DEFAULTS, image_size=kw["input_size"] * 8, num_classes=kw["num_classes"],
+                        learn_sigma=kw["learn_sigma"])
+        if spec["name"] is not None:
+            settings["model"] = spec["name"]
+        return path, settings, state
     if path.is_dir():
         # the EMA export written beside the DCP shards; without it (a crash between the two) read the shards
         weights = path / "ema.safetensors" if (path / "ema.safetensors").is_file() else path
         trained = path / "config.yaml"
-        return weights, (cfglib.load_yaml(cfglib.TrainConfig, trained).__dict__ if trained.is_file() else {})
+        return weights, (cfglib.load_yaml(cfglib.TrainConfig, trained).__dict__ if trained.is_file() else {}), None
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt {ckpt} does not exist; pass an EMA export (.safetensors), a training "
-                                f"checkpoint folder, or an official DiT .pt")
+                                f"checkpoint folder, an official DiT .pt, or a diffusers DiT folder")
     sidecar = path.with_suffix(".json")  # written by export_weights beside an export
     meta = json.loads(sidecar.read_text()).get("config", {}) if sidecar.is_file() else {}
-    return path, meta
+    return path, meta, None
 
 
 def settings_for(cfg: cfglib.SampleConfig, trained: dict, ckpt_path: Path) -> dict:
@@ -60,7 +69,7 @@ def settings_for(cfg: cfglib.SampleConfig, trained: dict, ckpt_path: Path) -> di
 
 
 def load_model(cfg: cfglib.SampleConfig, device):
-    weights_path, trained = resolve_weights(cfg.ckpt, cfg.outputs)
+    weights_path, trained, state = resolve_weights(cfg.ckpt, cfg.outputs)
     s = settings_for(cfg, trained, weights_path)
     if s["model"] not in MODELS:
         raise ValueError(f"unknown model {s['model']!r}; valid names: {', '.join(MODELS)}")
@@ -68,7 +77,7 @@ def load_model(cfg: cfglib.SampleConfig, device):
     input_size, in_channels = latent_geometry(s["image_size"], s["vae"], s["in_channels"], patch)
     model = build_model(s["model"], input_size=input_size, in_channels=in_channels, num_classes=s["num_classes"],
                         learn_sigma=s["learn_sigma"])
-    model.load_state_dict(load_weights(str(weights_path)), strict=True)
+    model.load_state_dict(state if state is not None else load_weights(str(weights_path)), strict=True)
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=resolve_attention_backend(cfg.enable_flashattn))
     vae = load_vae(s["vae"], device)
