@@ -73,14 +73,14 @@ def load_model(cfg: cfglib.SampleConfig, device):
     s = settings_for(cfg, trained, weights_path)
     if s["model"] not in MODELS:
         raise ValueError(f"unknown model {s['model']!r}; valid names: {', '.join(MODELS)}")
+    vae = load_vae(s["vae"], device)
     patch = MODELS[s["model"]].keywords["patch_size"]
-    input_size, in_channels = latent_geometry(s["image_size"], s["vae"], s["in_channels"], patch)
+    input_size, in_channels = latent_geometry(s["image_size"], vae, s["in_channels"], patch)
     model = build_model(s["model"], input_size=input_size, in_channels=in_channels, num_classes=s["num_classes"],
                         learn_sigma=s["learn_sigma"])
     model.load_state_dict(state if state is not None else load_weights(str(weights_path)), strict=True)
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=resolve_attention_backend(cfg.enable_flashattn))
-    vae = load_vae(s["vae"], device)
     logger.info("loaded %s (%s, %dpx, %d classes, vae %s)", weights_path, s["model"], s["image_size"],
                 s["num_classes"], s["vae"])
     return model.to(device).eval(), vae, s

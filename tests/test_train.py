@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from PIL import Image
 
@@ -72,12 +73,42 @@ def test_bad_input_gives_clear_error(tmp_path, overrides, match):
         run_trainer(tiny_cfg(tmp_path, **overrides))
 
 
-def test_vae_image_size_must_be_multiple_of_8_times_patch():
+def save_tiny_vae(folder):
+    """A 4-level AutoencoderKL (8x downsampling and 4 latent channels, like SD's VAE) with 8-wide layers."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                  sample_size=32).save_pretrained(folder)
+    return str(folder)
+
+
+def test_vae_image_size_must_be_multiple_of_its_downsampling_times_patch(tmp_path):
+    from opendit.encoders import load_vae
     from opendit.training.objective import latent_geometry
 
-    assert latent_geometry(256, "stabilityai/sd-vae-ft-ema", 3, 2) == (32, 4)
+    vae = load_vae(save_tiny_vae(tmp_path / "vae"))
+    assert latent_geometry(256, vae, 3, 2) == (32, 4)
+    assert latent_geometry(16, None, 1, 2) == (16, 1)
     with pytest.raises(ValueError, match="8 \\(the VAE's downsampling\\) x patch size = 16"):
-        latent_geometry(72, "some/vae", 3, 2)
+        latent_geometry(72, vae, 3, 2)
+
+
+def test_latent_training_then_sampling_through_a_local_vae(tmp_path):
+    """--vae <local folder>: digits become RGB, the DiT trains on 4x4x4 latents, samples decode to 32px RGB."""
+    from opendit.config import SampleConfig
+    from opendit.inference import load_model, make_diffusion, sample_batch
+
+    vae_dir = save_tiny_vae(tmp_path / "vae")
+    trainer, losses = run_trainer(tiny_cfg(tmp_path / "out", image_size=32, vae=vae_dir, max_steps=3))
+    assert trainer.dataset.channels == 3 and all(np.isfinite(losses))
+    cfg = SampleConfig(ckpt="latest", outputs=str(tmp_path / "out"), num_sampling_steps=3, cfg_scale=2.0)
+    model, vae, settings = load_model(cfg, torch.device("cpu"))
+    assert (model.input_size, model.in_channels, settings["vae"]) == (4, 4, vae_dir)
+    images = sample_batch(model, vae, make_diffusion(cfg, True), range(0, 2), [0, 1], cfg, settings,
+                          torch.device("cpu"))
+    assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
 
 
 def _run(args, nproc=1, env=None):

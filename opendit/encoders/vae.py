@@ -53,6 +53,14 @@ def load_vae(name_or_path, device="cpu", dtype: torch.dtype = torch.float32):
     return vae
 
 
+def vae_geometry(vae) -> tuple[int, int | None]:
+    """(spatial downsampling, latent channels) of an AutoencoderKL: (8, 4) for SD's VAE, (8, 16) for FLUX's;
+    (1, None) without a VAE (pixel space keeps the data's channels)."""
+    if vae is None:
+        return 1, None
+    return 2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels
+
+
 @torch.no_grad()
 def encode(vae, x: torch.Tensor, generator: Optional[torch.Generator] = None,
            scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:

@@ -50,9 +50,9 @@ def model_spec(name: str):
     return MODELS[name]
 
 
-def build_dit(cfg, data_channels: int, device):
+def build_dit(cfg, vae, data_channels: int, device):
     patch = model_spec(cfg.model).keywords["patch_size"]
-    input_size, in_channels = latent_geometry(cfg.image_size, cfg.vae, data_channels, patch)
+    input_size, in_channels = latent_geometry(cfg.image_size, vae, data_channels, patch)
     model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
     backend = resolve_attention_backend(cfg.enable_flashattn, device)
@@ -87,12 +87,14 @@ class Trainer:
         seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
         self.resume_from = self._resolve_resume()
         self.run_dir = self._make_run_dir()
-        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size)
         self.vae = load_vae(cfg.vae, self.dist.device)
+        # the built-in digits are grey; a VAE wants RGB
+        rgb = {"channels": 3} if cfg.dataset == "digits" and self.vae is not None else {}
+        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **rgb)
         self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
         with torch.random.fork_rng(devices=[]):  # every rank builds the same weights (FSDP shards each rank's own)
             torch.manual_seed(cfg.global_seed)
-            model = build_dit(cfg, getattr(self.dataset, "channels", 3), self.dist.device)
+            model = build_dit(cfg, self.vae, getattr(self.dataset, "channels", 3), self.dist.device)
         if self.booster.sp_group is not None:
             model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)

@@ -5,18 +5,18 @@ A new model family overrides the objective (what a batch means and how its loss 
 import torch
 
 from opendit.diffusion import create_diffusion
-from opendit.encoders.vae import encode
+from opendit.encoders.vae import encode, vae_geometry
 
 
-def latent_geometry(image_size: int, vae_name: str, data_channels: int, patch_size: int) -> tuple[int, int]:
-    """(input_size, in_channels) of the model; a clear error when the sizes do not fit."""
-    pixel_space = vae_name is None or str(vae_name).lower() == "none"
-    factor = 1 if pixel_space else 8
+def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -> tuple[int, int]:
+    """(input_size, in_channels) of the model for images of image_size through `vae` (None: pixel space);
+    a clear error when the sizes do not fit."""
+    factor, latent_channels = vae_geometry(vae)
     if image_size <= 0 or image_size % (factor * patch_size):
-        need = "patch size" if pixel_space else "8 (the VAE's downsampling) x patch size"
+        need = "patch size" if vae is None else f"{factor} (the VAE's downsampling) x patch size"
         raise ValueError(f"--image_size {image_size} must be a positive multiple of {need} = "
                          f"{factor * patch_size}; e.g. {max(1, image_size // (factor * patch_size)) * factor * patch_size}")
-    return image_size // factor, (data_channels if pixel_space else 4)
+    return image_size // factor, (data_channels if vae is None else latent_channels)
 
 
 class DiffusionObjective:
