@@ -57,7 +57,7 @@ def build_dit(cfg, vae, data_channels: int, device):
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
     backend = resolve_attention_backend(cfg.enable_flashattn, device)
     if cfg.enable_modulate_kernel or cfg.enable_layernorm_kernel:
-        logger.info(kernel_status(use_kernel=True, device=device))
+        kernel_status(use_kernel=True, device=device)  # logs which path the kernels take
     model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
                       attn_backend=backend)
     return model
