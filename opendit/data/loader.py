@@ -4,19 +4,23 @@ from torch.utils.data import DataLoader, Dataset
 
 from opendit.data.digits import DigitsDataset
 from opendit.data.image_folder import ImageFolderDataset
+from opendit.data.latents import LatentDataset
 from opendit.data.sampler import ResumableDistributedSampler
 from opendit.data.seeding import mix_seed
 from opendit.data.transforms import check_image_size
 
-DATASETS = ("digits", "folder")
+DATASETS = ("digits", "folder", "latents")
 
 
 def build_dataset(name: str, data_path=None, image_size=None, **kwargs) -> Dataset:
-    """name "digits" (built-in demo, data_path unused) or "folder" (ImageNet-style class folders).
+    """name "digits" (built-in demo, data_path unused), "folder" (ImageNet-style class folders) or "latents"
+    (a cache written by preprocess.py; image_size may be None, else it must match the cache).
 
-    kwargs go to the dataset: digits -> channels, split; folder -> random_flip, seed."""
+    kwargs go to the dataset: digits -> channels, split; folder and latents -> random_flip, seed."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    if name == "latents":
+        return LatentDataset(data_path, image_size, **kwargs)
     image_size = check_image_size(image_size)
     if name == "digits":
         return DigitsDataset(image_size, **kwargs)

@@ -1,6 +1,8 @@
 """The training loop in three levels: `train` (build, resume, cadence), `train_step` (accumulation, clipping,
 step, EMA) and the objective's `loss` (what one micro-batch costs)."""
+import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
 from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
                                 save_checkpoint)
-from opendit.data import build_dataset
+from opendit.data import build_dataset, read_manifest
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.encoders.vae import load_vae
@@ -50,9 +52,36 @@ def model_spec(name: str):
     return MODELS[name]
 
 
-def build_dit(cfg, vae, data_channels: int, device):
+def settings_from_cache(cfg: cfglib.TrainConfig) -> cfglib.TrainConfig:
+    """--dataset latents: image size, VAE, scale and classes come from the cache's manifest. A value left at
+    its default is taken from it; one given that disagrees is an error (the cache would not match it)."""
+    manifest, defaults = read_manifest(cfg.data_path), cfglib.TrainConfig()
+    updates = {}
+    for key, flag in (("image_size", "image_size"), ("vae", "vae"), ("vae_scale", "vae_scale")):
+        given, cached = getattr(cfg, flag), manifest[key]
+        if given == getattr(defaults, flag) or given == cached or (key == "vae" and given.lower() == "none"):
+            updates[flag] = cached
+        elif not (key == "vae" and os.path.realpath(given) == os.path.realpath(cached)):
+            raise ValueError(f"--{flag} {given} disagrees with the latent cache {cfg.data_path!r}, built with "
+                             f"{key}={cached}; pass --{flag} {cached} or leave it out, or rebuild the cache")
+    if cfg.num_classes == defaults.num_classes:
+        updates["num_classes"] = manifest["num_classes"]
+    elif cfg.num_classes < manifest["num_classes"]:
+        raise ValueError(f"--num_classes {cfg.num_classes} is fewer than the cache's {manifest['num_classes']} classes")
+    # keeps cfg.vae = the cache's VAE, so config.yaml tells sample.py which VAE decodes the samples
+    return dataclasses.replace(cfg, **updates)
+
+
+def build_dit(cfg, vae, data_channels: int, device, latent_shape=None):
+    """latent_shape (C, h, w): the model input of cached latents (no VAE loaded); else from image_size and vae."""
     patch = model_spec(cfg.model).keywords["patch_size"]
-    input_size, in_channels = latent_geometry(cfg.image_size, vae, data_channels, patch)
+    if latent_shape is not None:
+        in_channels, input_size = latent_shape[0], latent_shape[1]
+        if input_size % patch:
+            raise ValueError(f"cached latents of size {input_size} are not a multiple of {cfg.model}'s patch size "
+                             f"{patch}; pick a model with a smaller patch or cache larger images")
+    else:
+        input_size, in_channels = latent_geometry(cfg.image_size, vae, data_channels, patch)
     model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
     backend = resolve_attention_backend(cfg.enable_flashattn, device)
@@ -65,6 +94,9 @@ def build_dit(cfg, vae, data_channels: int, device):
 
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
+        cached = cfg.dataset == "latents"
+        if cached:
+            cfg = settings_from_cache(cfg)
         self.cfg = cfg
         self.dist = init_distributed()
         setup_logging(self.dist.rank)
@@ -87,14 +119,17 @@ class Trainer:
         seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
         self.resume_from = self._resolve_resume()
         self.run_dir = self._make_run_dir()
-        self.vae = load_vae(cfg.vae, self.dist.device)
+        # cached latents skip the VAE (cfg.vae still names it, for sampling)
+        self.vae = None if cached else load_vae(cfg.vae, self.dist.device)
         # the built-in digits are grey; a VAE wants RGB
         rgb = {"channels": 3} if cfg.dataset == "digits" and self.vae is not None else {}
-        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **rgb)
+        kw = {"seed": cfg.global_seed} if cached else rgb
+        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **kw)
         self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
         with torch.random.fork_rng(devices=[]):  # every rank builds the same weights (FSDP shards each rank's own)
             torch.manual_seed(cfg.global_seed)
-            model = build_dit(cfg, self.vae, getattr(self.dataset, "channels", 3), self.dist.device)
+            model = build_dit(cfg, self.vae, getattr(self.dataset, "channels", 3), self.dist.device,
+                              latent_shape=getattr(self.dataset, "latent_shape", None))
         if self.booster.sp_group is not None:
             model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)

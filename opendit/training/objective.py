@@ -25,9 +25,16 @@ class DiffusionObjective:
         self.vae, self.vae_scale = vae, vae_scale
 
     def prepare(self, batch, device):
-        """(images [B, C, H, W] in [-1, 1], labels [B]) -> (model input x, labels) on device."""
+        """(images [B, C, H, W] in [-1, 1], labels [B]) -> (model input x, labels) on device.
+
+        A cached-latent batch ((mean, std) [B, C, h, w] each, labels) draws one posterior sample from the
+        global RNG, as encode() does on the fly (same draw: mean + std * randn on the device)."""
         x, y = batch
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        if isinstance(x, (list, tuple)):
+            mean, std = (t.to(device, non_blocking=True) for t in x)
+            return (mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)) * self.vae_scale, y
+        x = x.to(device, non_blocking=True)
         if self.vae is not None:
             x = encode(self.vae, x, scale=self.vae_scale)
         return x, y

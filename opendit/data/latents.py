@@ -1,0 +1,127 @@
+"""Cached VAE latents (written by preprocess.py): training reads them instead of running the VAE.
+
+Layout of a cache folder:
+
+    manifest.json                    written last; its presence marks a complete cache
+    r000-00000.mean.npy              float [n, C, h, w]: posterior mean (unscaled, as the VAE returns it)
+    r000-00000.std.npy               float [n, C, h, w]: posterior std
+    r000-00000.mean_flip.npy  ...    the same for the horizontally flipped image (--flip_both only)
+    r000-00000.label.npy             int64 [n]
+
+Storing mean and std (not one sample, as fast-DiT does) lets every epoch draw a fresh posterior
+sample, as encoding on the fly does. preprocess.py writes into `<out>.partial` and renames it when
+complete, so an interrupted run is never mistaken for a cache.
+"""
+import json
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from opendit.data.seeding import mix_seed
+
+CACHE_VERSION = 1
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+ARRAYS = ("mean", "std")
+FLIP_ARRAYS = ("mean_flip", "std_flip")
+REBUILD_HINT = "build it with: python preprocess.py --dataset ... --vae ... --out <folder>"
+
+
+def read_manifest(path: str) -> dict:
+    """The cache's manifest, with clear errors for a missing, interrupted, or outdated cache."""
+    if path is None:
+        raise ValueError(f"dataset 'latents' needs --data_path <cache folder written by preprocess.py>; {REBUILD_HINT}")
+    path = str(path).rstrip("/")
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        if os.path.isdir(path + PARTIAL_SUFFIX) or path.endswith(PARTIAL_SUFFIX):
+            raise FileNotFoundError(
+                f"latent cache {path!r} is incomplete: preprocess.py was interrupted (found "
+                f"{path.removesuffix(PARTIAL_SUFFIX) + PARTIAL_SUFFIX!r}); rerun preprocess.py with the same --out")
+        what = "has no manifest.json (not a finished cache)" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"latent cache {path!r} {what}; {REBUILD_HINT}")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    if manifest.get("version") != CACHE_VERSION:
+        raise ValueError(f"latent cache {path!r} has format version {manifest.get('version')!r}, this opendit "
+                         f"reads version {CACHE_VERSION}; rebuild it with this version's preprocess.py")
+    return manifest
+
+
+def shard_arrays(flip_both: bool) -> tuple[str, ...]:
+    return ARRAYS + FLIP_ARRAYS + ("label",) if flip_both else ARRAYS + ("label",)
+
+
+def write_shard(folder: str, stem: str, arrays: dict) -> dict:
+    """Save one shard's arrays as <stem>.<key>.npy -> its manifest entry {"stem", "count"}."""
+    for key, value in arrays.items():
+        np.save(os.path.join(folder, f"{stem}.{key}.npy"), value)
+    return {"stem": stem, "count": int(len(arrays["label"]))}
+
+
+class LatentDataset(Dataset):
+    """item = ((mean, std) float32 [C, h, w] each, int label): the VAE posterior of one cached image.
+
+    With a --flip_both cache and random_flip, item i of epoch e is the flipped image's posterior when
+    mix_seed(seed, e, i) is odd (stateless, like ImageFolderDataset). Shards are memory-mapped, so a
+    cache larger than host memory still trains.
+    """
+
+    def __init__(self, path: str, image_size=None, random_flip: bool = True, seed: int = 0):
+        self.manifest = read_manifest(path)
+        self.path = str(path).rstrip("/")
+        m = self.manifest
+        if image_size is not None and int(image_size) != m["image_size"]:
+            raise ValueError(f"--image_size {image_size} does not match the latent cache {self.path!r}, which was "
+                             f"encoded at {m['image_size']}px; pass --image_size {m['image_size']}")
+        self.image_size = m["image_size"]
+        self.latent_shape = tuple(m["latent_shape"])  # (C, h, w)
+        self.channels = self.latent_shape[0]
+        self.num_classes = m["num_classes"]
+        self.classes = m["classes"]
+        self.flip_both = bool(m["flip_both"])
+        self.random_flip, self.seed, self.epoch = random_flip, int(seed), 0
+        self._stems = [s["stem"] for s in m["shards"]]
+        self._starts = np.cumsum([0] + [s["count"] for s in m["shards"]])  # shard k holds [starts[k], starts[k+1])
+        if self._starts[-1] != m["count"]:
+            raise ValueError(f"latent cache {self.path!r}: shards hold {self._starts[-1]} items, the manifest says "
+                             f"{m['count']}; the cache is damaged, rebuild it with preprocess.py")
+        self._check_files()
+        self._maps = None  # opened lazily in each process (memmaps must not be pickled into workers)
+
+    def _check_files(self) -> None:
+        for stem in self._stems:
+            for key in shard_arrays(self.flip_both):
+                if not os.path.isfile(os.path.join(self.path, f"{stem}.{key}.npy")):
+                    raise FileNotFoundError(f"latent cache {self.path!r} lacks {stem}.{key}.npy; the cache is "
+                                            f"damaged, rebuild it with preprocess.py")
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": None}
+
+    def _shard(self, k: int) -> dict:
+        if self._maps is None:
+            self._maps = {}
+        if k not in self._maps:
+            self._maps[k] = {key: np.load(os.path.join(self.path, f"{self._stems[k]}.{key}.npy"), mmap_mode="r")
+                             for key in shard_arrays(self.flip_both)}
+        return self._maps[k]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for a latent cache of {len(self)} items")
+        k = int(np.searchsorted(self._starts, index, side="right") - 1)
+        arrays, i = self._shard(k), index - int(self._starts[k])
+        flip = self.flip_both and self.random_flip and mix_seed(self.seed, self.epoch, index) & 1 == 1
+        mean_key, std_key = FLIP_ARRAYS if flip else ARRAYS
+        mean = torch.from_numpy(np.array(arrays[mean_key][i], dtype=np.float32))
+        std = torch.from_numpy(np.array(arrays[std_key][i], dtype=np.float32))
+        return (mean, std), int(arrays["label"][i])
