@@ -9,12 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from opendit.optim import BlockSwap, build_optimizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(torch.nn.Module):

@@ -6,13 +6,7 @@ from opendit.optim import (AdamW, build_optimizer, join_bf16, round_bf16_nearest
                            stochastic_round_bf16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # two cores shared by several test processes: oversubscribed intra-op threads make tiny ops 100x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(dtype=torch.float32, seed=0):

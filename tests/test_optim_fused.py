@@ -6,7 +6,6 @@ from opendit.optim import attach_fused_backward, build_optimizer
 from tests.test_optim import batches, flat, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-from tests.test_optim import one_thread  # noqa: E402,F401  (the fixture, shared)
 
 
 def run(fused, name="adamw", dtype=torch.float32, steps=6, **kw):

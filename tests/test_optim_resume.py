@@ -6,7 +6,7 @@ import torch
 
 from opendit.optim import build_optimizer
 from opendit.optim.formats import U16Format
-from tests.test_optim import batches, flat, one_thread, tiny, train  # noqa: F401  (one_thread: fixture)
+from tests.test_optim import batches, flat, tiny, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
