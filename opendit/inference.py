@@ -12,8 +12,8 @@ from opendit import config as cfglib
 from opendit.checkpoint import latest_run_checkpoint, load_weights
 from opendit.diffusion import create_diffusion
 from opendit.encoders.vae import decode, load_vae
-from opendit.kernels.attention import resolve_attention_backend
-from opendit.models import MODELS, build_model
+from opendit.kernels import configure_kernels
+from opendit.models import build_model, model_spec
 from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
 from opendit.training.objective import latent_geometry
 
@@ -71,16 +71,13 @@ def settings_for(cfg: cfglib.SampleConfig, trained: dict, ckpt_path: Path) -> di
 def load_model(cfg: cfglib.SampleConfig, device):
     weights_path, trained, state = resolve_weights(cfg.ckpt, cfg.outputs)
     s = settings_for(cfg, trained, weights_path)
-    if s["model"] not in MODELS:
-        raise ValueError(f"unknown model {s['model']!r}; valid names: {', '.join(MODELS)}")
+    patch = model_spec(s["model"]).keywords["patch_size"]
     vae = load_vae(s["vae"], device)
-    patch = MODELS[s["model"]].keywords["patch_size"]
     input_size, in_channels = latent_geometry(s["image_size"], vae, s["in_channels"], patch)
     model = build_model(s["model"], input_size=input_size, in_channels=in_channels, num_classes=s["num_classes"],
                         learn_sigma=s["learn_sigma"])
     model.load_state_dict(state if state is not None else load_weights(str(weights_path)), strict=True)
-    model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
-                      attn_backend=resolve_attention_backend(cfg.enable_flashattn))
+    configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     logger.info("loaded %s (%s, %dpx, %d classes, vae %s)", weights_path, s["model"], s["image_size"],
                 s["num_classes"], s["vae"])
     return model.to(device).eval(), vae, s

@@ -192,3 +192,15 @@ def apply_rope(x, freqs_cos, freqs_sin, use_kernel=False):
         from opendit.kernels import triton_pointwise
         return triton_pointwise.apply_rope(x, freqs_cos, freqs_sin)
     return reference.apply_rope(x, freqs_cos, freqs_sin)
+
+
+def configure_kernels(model, modulate: bool = False, layernorm: bool = False, flashattn: bool = False,
+                      device=None) -> None:
+    """Apply the --enable_*_kernel / --enable_flashattn flags to a model with `set_kernels`, logging the paths
+    that will run on `device` (entry scripts call this once at start-up)."""
+    from opendit.kernels.attention import resolve_attention_backend
+
+    backend = resolve_attention_backend(flashattn, device)
+    if modulate or layernorm:
+        kernel_status(use_kernel=True, device=device or "cuda")
+    model.set_kernels(modulate=modulate, layernorm=layernorm, attn_backend=backend)

@@ -14,8 +14,14 @@ MODELS = {
 MODELS["DiT-debug"] = partial(DiT, depth=2, hidden_size=64, num_heads=4, patch_size=2)
 
 
-def build_model(name: str, **kwargs):
-    """Build a registered model; kwargs go to its constructor (input_size, in_channels, num_classes, ...)."""
+def model_spec(name: str):
+    """The registry entry (a partial whose .keywords hold patch_size, num_heads, ...); unknown names list the
+    valid ones."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}")
-    return MODELS[name](**kwargs)
+    return MODELS[name]
+
+
+def build_model(name: str, **kwargs):
+    """Build a registered model; kwargs go to its constructor (input_size, in_channels, num_classes, ...)."""
+    return model_spec(name)(**kwargs)

@@ -18,9 +18,8 @@ from opendit.data import build_dataset, read_manifest
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.encoders.vae import load_vae
-from opendit.kernels import kernel_status
-from opendit.kernels.attention import resolve_attention_backend
-from opendit.models import MODELS, build_model
+from opendit.kernels import configure_kernels
+from opendit.models import build_model, model_spec
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter, dit_train_flops_per_image
 from opendit.training.objective import DiffusionObjective, latent_geometry
@@ -44,12 +43,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def model_spec(name: str):
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}")
-    return MODELS[name]
 
 
 def settings_from_cache(cfg: cfglib.TrainConfig) -> cfglib.TrainConfig:
@@ -84,11 +77,7 @@ def build_dit(cfg, vae, data_channels: int, device, latent_shape=None):
         input_size, in_channels = latent_geometry(cfg.image_size, vae, data_channels, patch)
     model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
                         learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
-    backend = resolve_attention_backend(cfg.enable_flashattn, device)
-    if cfg.enable_modulate_kernel or cfg.enable_layernorm_kernel:
-        kernel_status(use_kernel=True, device=device)  # logs which path the kernels take
-    model.set_kernels(modulate=cfg.enable_modulate_kernel, layernorm=cfg.enable_layernorm_kernel,
-                      attn_backend=backend)
+    configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     return model
 
 
