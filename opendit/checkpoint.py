@@ -117,14 +117,15 @@ def resolve_checkpoint(path_or_latest: str | None, root: str | None = None) -> s
     return path
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's torch (CPU and current CUDA device), numpy and python RNG states."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's current device
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -210,7 +211,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
     _barrier()
     with _quiet_single_process():
         dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, no_dist=not _dist())
-    torch.save({"rng": _rng_state(), "extra": extra or {}}, _rank_file(tmp, _rank()))
+    torch.save({"rng": rng_state(), "extra": extra or {}}, _rank_file(tmp, _rank()))
     if _rank() == 0:
         _write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None)
     _barrier()  # every rank's files are in tmp
@@ -265,7 +266,7 @@ def _restore_rank_state(path: str, trainer: dict, saved_world: int) -> dict:
     rank_file = _rank_file(path, _rank())
     if os.path.exists(rank_file):
         state = torch.load(rank_file, map_location="cpu", weights_only=False)
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         return state["extra"]
     log.warning("checkpoint %s was saved by %d ranks and has no state for rank %d; seeding its RNG from "
                 "(step, rank) and giving it rank 0's extra, so its random draws and data differ from the "

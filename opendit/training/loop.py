@@ -13,7 +13,7 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
 from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
-                                save_checkpoint)
+                                rng_state, save_checkpoint, set_rng_state)
 from opendit.data import build_dataset, read_manifest
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
@@ -31,12 +31,10 @@ logger = logging.getLogger("opendit")
 
 
 def sync_rng(group) -> None:
-    """Give every rank of `group` the RNG state of the group's first rank."""
-    state = [(torch.get_rng_state(), np.random.get_state(), random.getstate())]
+    """Give every rank of `group` the RNG states (CUDA's too) of the group's first rank."""
+    state = [rng_state()]
     dist.broadcast_object_list(state, group_src=0, group=group)
-    torch.set_rng_state(state[0][0])
-    np.random.set_state(state[0][1])
-    random.setstate(state[0][2])
+    set_rng_state(state[0])
 
 
 def seed_everything(seed: int) -> None:
