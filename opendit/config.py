@@ -38,7 +38,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | nadamw | adan | adafactor (torch's)
     optimizer_offload: bool = False  # optimizer states in host memory, streamed per parameter
     optimizer_state_dtype: str = "fp32"  # fp32 | bf16 | u16 | f24
-    master_weights: str = "fp32"  # fp32 | bf16_exact | bf16_stochastic (bf16 params; needs bf16 mixed precision)
+    master_weights: str = "fp32"  # fp32 | bf16_exact | bf16_stochastic | fp32_copy (bf16 params; needs bf16 mixed precision)
     fused_backward: bool = False  # update each parameter in its post-accumulate-grad hook; no full gradient set
     blocks_to_swap: int = 0  # keep the last N blocks' weights on the host (one process, --plugin ddp)
     ema_decay: float = 0.9999

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from opendit.booster import Booster, DynamicLossScaler, build_plugin, mesh_shape, validate_parallel_config
 from opendit.booster import parallelize as par
+from opendit.booster.precision import cast_forward_io, params_in_dtype
 from tests.test_booster_helpers import make_model, make_optimizer
 
 
@@ -136,3 +137,25 @@ def test_booster_without_process_group_starts_and_closes_its_own():
     finally:
         booster.close()
     assert not dist.is_initialized()
+
+
+def test_forward_io_cast_for_bf16_params():
+    """ddp with bf16 params (a bf16 --master_weights mode): no autocast; floating inputs reach the model as bf16,
+    integer ones unchanged, and the output leaves as fp32, as at an FSDP2 root."""
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+
+        def forward(self, x, t, scale=None):
+            seen.update(x=x.dtype, t=t.dtype, scale=scale.dtype)
+            return {"out": x * self.w * scale}
+
+    model = Probe()
+    assert params_in_dtype(model, torch.bfloat16) and not params_in_dtype(torch.nn.Linear(2, 2), torch.bfloat16)
+    cast_forward_io(model, torch.bfloat16)
+    out = model(torch.full((3,), 1 / 3), torch.arange(3), scale=torch.ones(3))["out"]
+    assert seen == dict(x=torch.bfloat16, t=torch.int64, scale=torch.bfloat16)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((3,), 1 / 3).bfloat16().float())

@@ -1,5 +1,7 @@
 """train.py's optimizer flags through the Trainer: --optimizer, --optimizer_offload, --optimizer_state_dtype,
 --master_weights, --fused_backward, --blocks_to_swap (DiT-debug on the digits at 8x8, as in test_train.py)."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,7 +56,8 @@ def test_fused_backward_equals_normal_step_and_lean_fp32_tracks_torch(tmp_path):
     dict(**LEAN_U16, **BF16_EXACT),  # compressed states on the host, bf16 params + int16 residual
     dict(optimizer="adan", optimizer_state_dtype="f24", fused_backward=True),
     dict(optimizer="adafactor"),
-], ids=["adamw-u16-offload-bf16_exact", "adan-f24-fused", "adafactor"])
+    dict(master_weights="fp32_copy", mixed_precision="bf16"),  # the fast path: multi-tensor fused AdamW
+], ids=["adamw-u16-offload-bf16_exact", "adan-f24-fused", "adafactor", "adamw-fp32_copy"])
 def test_resume_equals_uninterrupted(tmp_path, kw):
     full, full_losses = train(tmp_path / "a", max_steps=6, ckpt_every=3, **kw)
     train(tmp_path / "b", max_steps=3, ckpt_every=3, **kw)
@@ -77,6 +80,24 @@ def test_bf16_master_weights_keep_bf16_params_fp32_ema_and_residual(tmp_path):
     state = trainer.optimizer.state[model.blocks[0].attn.qkv.weight]
     assert state["master_lo"].dtype == torch.int16 and "exp_avg.u16" in state
     assert all(map(torch.isfinite, map(torch.tensor, losses)))
+
+
+@pytest.mark.parametrize("plugin", ["ddp", "zero2"])
+def test_fp32_copy_trains_like_bf16_exact_bitwise(tmp_path, plugin):
+    """The fast path (bf16 params, fp32 master copy, multi-tensor fused AdamW) and the memory-lean one
+    (int16 residual, per-parameter updates) hold the same fp32 master, so whole runs agree bit for bit.
+    Under ddp both run without autocast: the plugin casts inputs to bf16 and outputs to fp32."""
+    fast, fast_losses = train(tmp_path / "copy", max_steps=4, plugin=plugin, master_weights="fp32_copy",
+                              mixed_precision="bf16")
+    lean_run, lean_losses = train(tmp_path / "exact", max_steps=4, plugin=plugin, **LEAN_U16 | BF16_EXACT |
+                                  dict(optimizer_state_dtype="fp32"))
+    assert fast.optimizer._multi_tensor_ready() and not lean_run.optimizer._multi_tensor_ready()
+    assert fast_losses == lean_losses and torch.equal(params(fast), params(lean_run))
+    model = fast.booster.unwrap(fast.model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad)
+    if plugin == "ddp":
+        assert fast.booster.plugin.params_in_compute_dtype
+        assert isinstance(fast.booster.autocast(), type(contextlib.nullcontext()))
 
 
 @pytest.mark.parametrize("kw", [

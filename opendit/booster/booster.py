@@ -93,7 +93,8 @@ class Booster:
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def autocast(self):
-        """torch.autocast for ddp with bf16/fp16; a no-op otherwise (FSDP's MixedPrecisionPolicy casts)."""
+        """torch.autocast for ddp with fp32 params and bf16/fp16 compute; a no-op otherwise (FSDP2, or ddp with
+        bf16 params, cast at the model's inputs instead)."""
         return self.plugin.autocast()
 
     def no_sync(self, model: nn.Module, enabled: bool = True):

@@ -41,12 +41,12 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
     return count
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
     """torch.compile each block separately: blocks repeat, so one compiled graph is reused."""
     from opendit.kernels import probe_optional_imports
     probe_optional_imports()  # a first probe inside a compiled block would force one recompile
     for block in iter_blocks(model):
-        block.compile(backend=backend)
+        block.compile(backend=backend, mode=mode)
 
 
 def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,

@@ -1,7 +1,9 @@
 """Plugins: how a model is made data-parallel. `build_plugin(name, ...)` is what `--plugin` selects.
 
-    ddp              DistributedDataParallel; fp32 params, torch.autocast for bf16/fp16. One process: no wrapper
-                     (nothing to all-reduce), and blocks_to_swap=N keeps N blocks on the host (BlockSwap)
+    ddp              DistributedDataParallel; fp32 params, torch.autocast for bf16/fp16 (bf16 params, which a
+                     bf16 --master_weights mode makes: no autocast, inputs cast to bf16 and outputs to fp32 as
+                     FSDP2 does). One process: no wrapper (nothing to all-reduce), and blocks_to_swap=N keeps
+                     N blocks on the host (BlockSwap)
     zero2            fully_shard(reshard_after_forward=False): params gathered once per step
     zero3 / fsdp     fully_shard(reshard_after_forward=True): params gathered block by block
     hsdp             fully_shard on a (replicate, shard) mesh
@@ -21,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opendit.booster import parallelize as par
 from opendit.booster.mesh import PLUGIN_NAMES, mesh_shape, shard_mesh, validate_parallel_config
-from opendit.booster.precision import compute_dtype, fsdp_policy
+from opendit.booster.precision import cast_forward_io, compute_dtype, fsdp_policy, params_in_dtype
 
 
 def default_device() -> torch.device:
@@ -90,8 +92,12 @@ class Plugin:
 
 class DDPPlugin(Plugin):
     name = "ddp"
+    params_in_compute_dtype = False  # set by parallelize: the model's own weights are bf16/fp16
 
     def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if self.mixed_precision != "fp32" and params_in_dtype(model, compute_dtype(self.mixed_precision)):
+            self.params_in_compute_dtype = True
+            cast_forward_io(model, compute_dtype(self.mixed_precision))
         self.prepare_blocks(model)
         if mesh.size() == 1:
             # One process has nothing to all-reduce; DDP would only add buckets holding every gradient (which
@@ -109,7 +115,7 @@ class DDPPlugin(Plugin):
         return DDP(model, device_ids=device_ids, process_group=None, gradient_as_bucket_view=True)
 
     def autocast(self):
-        if self.mixed_precision == "fp32":
+        if self.mixed_precision == "fp32" or self.params_in_compute_dtype:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=compute_dtype(self.mixed_precision))
 

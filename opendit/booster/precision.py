@@ -9,6 +9,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_map
 
 logger = logging.getLogger("opendit")
 
@@ -28,6 +29,29 @@ def fsdp_policy(mixed_precision: str, reduce_dtype: str = "fp32", root: bool = F
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=compute_dtype(mixed_precision), reduce_dtype=compute_dtype(reduce_dtype),
                                 output_dtype=torch.float32 if root else None)
+
+
+def params_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """True when every trainable parameter already is `dtype` (a bf16 --master_weights mode cast them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return bool(params) and all(p.dtype == dtype for p in params)
+
+
+def cast_forward_io(model: torch.nn.Module, dtype: torch.dtype):
+    """For a model whose parameters are `dtype`: cast floating-point forward inputs to it and floating outputs
+    to fp32, as FSDP2's MixedPrecisionPolicy does at the root. Autocast is then not needed (and would only
+    re-run norms in fp32). Integer inputs (timesteps, labels) pass unchanged. Returns the hook handles."""
+    def cast(to):
+        return lambda t: t.to(to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def cast_inputs(_, args, kwargs):
+        return tree_map(cast(dtype), args), tree_map(cast(dtype), kwargs)
+
+    def cast_outputs(_, args, out):
+        return tree_map(cast(torch.float32), out)
+
+    return (model.register_forward_pre_hook(cast_inputs, with_kwargs=True),
+            model.register_forward_hook(cast_outputs))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ def build_optimizer(params, name: str = "adamw", lr: float = 1e-4, betas=None, e
     default options only). betas/eps default per optimizer: (0.9, 0.999)/1e-8; Adan (0.98, 0.92, 0.99)/1e-8.
     state_device: gpu | cpu (offloaded, pinned, prefetched on a side stream).
     state_dtype: fp32 | bf16 | u16 | f24 (tensors of <= small_numel elements stay fp32).
-    master_weights: fp32 | bf16_exact | bf16_stochastic (the bf16 modes need bf16 parameters).
+    master_weights: fp32 | bf16_exact | bf16_stochastic | fp32_copy (all but fp32 need bf16 parameters).
     fused_backward: update in each parameter's post-accumulate-grad hook (needs grad_accum_steps == 1).
     per_tensor_clip: clip each gradient tensor to this norm before its update (None: off).
     """

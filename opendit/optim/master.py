@@ -4,6 +4,7 @@
 |-----------------|-----------|------------------------------|----------------------------------|
 | fp32            | fp32      | none (the parameter is it)   | 0                                |
 | fp32            | bf16      | "master" fp32 copy           | 4                                |
+| fp32_copy       | bf16      | "master" fp32 copy           | 4                                |
 | bf16_exact      | bf16      | "master_lo" int16 residual   | 2                                |
 | bf16_stochastic | bf16      | none                         | 0                                |
 
@@ -12,10 +13,12 @@ signed difference of the bit patterns, which lies in [-2^15, 2^15) and so fits a
 them gives back the fp32 master bit for bit, so training equals fp32-master training whose bf16 copy is
 rounded the same way (our "fp32" mode with bf16 parameters uses the same rounding). Round-to-nearest-even
 would need one value more than 16 bits hold at ties, hence ties away.
+fp32_copy is "fp32 with bf16 parameters", asked for by name (it refuses fp32 parameters): the classic
+mixed-precision recipe, 2 bytes more per parameter than bf16_exact but no join/split per update.
 """
 import torch
 
-MASTER_MODES = ("fp32", "bf16_exact", "bf16_stochastic")
+MASTER_MODES = ("fp32", "bf16_exact", "bf16_stochastic", "fp32_copy")
 _HIGH = -65536  # int32 mask 0xFFFF0000
 
 
@@ -61,7 +64,7 @@ class MasterWeights:
         """Fresh master state for a parameter's local tensor (on the parameter's device)."""
         if self.mode == "bf16_exact":
             return {"master_lo": torch.zeros(local.shape, dtype=torch.int16, device=local.device)}
-        if self.mode == "fp32" and local.dtype != torch.float32:
+        if self.mode == "fp32_copy" or (self.mode == "fp32" and local.dtype != torch.float32):
             return {"master": local.float()}
         return {}
 
