@@ -14,8 +14,8 @@ stamp "device" | tee "$OUT/device.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$OUT/device.txt"
 
 stamp "training throughput (DiT-XL/2, 256px, batch 256)"
-timeout "${THROUGHPUT_S:-250}" python3 benchmarks/train_throughput.py --model DiT-XL/2 --image_size 256 \
-  --batch_size 256 --recipe_batch_size 32 --warmup 3 --steps 8 --time_budget "${BUDGET_S:-190}" \
+timeout "${THROUGHPUT_S:-240}" python3 benchmarks/train_throughput.py --model DiT-XL/2 --image_size 256 \
+  --batch_size 256 --recipe_batch_size 32 --warmup 3 --steps 8 --time_budget "${BUDGET_S:-180}" \
   --out "$OUT/train_throughput.md" 2>&1 | grep -v Warning | tail -30
 
 stamp "kernel benchmark"
@@ -26,15 +26,17 @@ timeout "${OPTIM_S:-80}" python3 benchmarks/optim_offload.py --batch_size 32 --s
   --out "$OUT/optim_offload.md" 2>&1 | grep -v Warning | tail -12
 
 stamp "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap)"
-timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_attention.py \
-  tests/test_kernels_compile.py tests/test_perf.py tests/test_optim_fused.py tests/test_block_swap.py -m gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+timeout "${TESTS_S:-80}" python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_attention.py \
+  tests/test_kernels_compile.py tests/test_perf.py tests/test_optim_fused.py tests/test_optim_multi_tensor.py \
+  tests/test_block_swap.py -m gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 
-stamp "train.py on CUDA: zero2, bf16, kernels, flash, compile, 6 steps, then resume"
-rm -rf /tmp/gpu_train
-{ timeout 60 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 6 --log_every 2 \
-    --ckpt_every 3 --num_workers 0 --plugin zero2 --mixed_precision bf16 --enable_modulate_kernel \
-    --enable_layernorm_kernel --enable_flashattn --compile --outputs /tmp/gpu_train \
-  && timeout 40 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 8 --log_every 2 \
-    --num_workers 0 --plugin zero2 --mixed_precision bf16 --outputs /tmp/gpu_train --load latest; } 2>&1 \
-  | grep -v Warning | tail -14 | tee "$OUT/train_smoke.txt"
+stamp "train.py on CUDA: the one-GPU fast path (ddp, bf16 weights + fp32_copy master, kernels, flash, compile), resume; zero2"
+rm -rf /tmp/gpu_train /tmp/gpu_train_zero2
+FAST="--model DiT-B/4 --image_size 32 --batch_size 64 --log_every 2 --num_workers 0 --mixed_precision bf16 --master_weights fp32_copy"
+{ timeout 60 python3 train.py $FAST --max_steps 6 --ckpt_every 3 --enable_modulate_kernel --enable_layernorm_kernel \
+    --enable_flashattn --compile --outputs /tmp/gpu_train \
+  && timeout 30 python3 train.py $FAST --max_steps 8 --outputs /tmp/gpu_train --load latest \
+  && timeout 30 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 4 --log_every 2 \
+    --num_workers 0 --plugin zero2 --mixed_precision bf16 --enable_modulate_kernel --outputs /tmp/gpu_train_zero2; } 2>&1 \
+  | grep -v Warning | tail -16 | tee "$OUT/train_smoke.txt"
 stamp "done"

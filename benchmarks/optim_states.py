@@ -139,7 +139,7 @@ def bytes_table(label, shapes):
     print("| public recipe (f24 states + low-16-bit master on CPU, fused backward) | bf16 | bf16_exact | f24 | - | "
           "2.00 / 8.00 |")
     for name in ("adamw", "adan"):
-        for master, dtype in (("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf16_exact", torch.bfloat16),
+        for master, dtype in (("fp32", torch.float32), ("fp32_copy", torch.bfloat16), ("bf16_exact", torch.bfloat16),
                               ("bf16_stochastic", torch.bfloat16)):
             wbytes = torch.finfo(dtype).bits // 8
             for fmt in ("fp32", "bf16", "u16", "f24"):

@@ -12,6 +12,7 @@ Variants (keys for --variants):
   all          ours: bf16 weights + fp32 master (fused AdamW), per-block compile, modulate + layernorm
                kernels, flash attention
   all-kernels  the same without the Triton kernels (inductor fuses those ops itself under compile)
+  all-graphs   all, compiled with mode="reduce-overhead" (CUDA graphs per block: fewer kernel launches)
   c0           bf16 autocast + fused AdamW, eager: the base the single-flag rows below add one flag to
   modulate / layernorm / flash / bf16 / blocks   c0 + --enable_modulate_kernel / --enable_layernorm_kernel /
                --enable_flashattn / bf16 weights + fp32 master (replaces autocast) / per-block compile
@@ -47,6 +48,8 @@ VARIANTS = {
     "b": ("b: bf16 autocast + fused AdamW + compile", dict(precision="autocast_bf16", compile="model")),
     "all": ("ours: all", dict(precision="bf16_master", compile="blocks", modulate=True, layernorm=True, flash=True)),
     "all-kernels": ("ours: all - kernels", dict(precision="bf16_master", compile="blocks", flash=True)),
+    "all-graphs": ("ours: all + CUDA graphs", dict(precision="bf16_master", compile="blocks", modulate=True,
+                                                   layernorm=True, flash=True, compile_mode="reduce-overhead")),
     "c0": ("c0: bf16 autocast + fused AdamW, eager", _C0),
     "modulate": ("c0 + modulate kernel", dict(_C0, modulate=True)),
     "layernorm": ("c0 + layernorm kernel", dict(_C0, layernorm=True)),
@@ -110,7 +113,7 @@ def run_variant(spec, args, device, latent, batch):
     model.train()
     step = TrainStep(model, DiffusionObjective().loss, precision=spec["precision"], lr=args.lr,
                      fused_adamw=spec.get("fused_adamw", True), compile=spec.get("compile"),
-                     compile_backend=args.compile_backend, compile_mode=args.compile_mode)
+                     compile_backend=args.compile_backend, compile_mode=spec.get("compile_mode", args.compile_mode))
     g = torch.Generator(device).manual_seed(args.seed)
     x = torch.randn(batch, 4, latent, latent, device=device, generator=g)  # synthetic, VAE-scaled-like latents
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)

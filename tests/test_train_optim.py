@@ -91,7 +91,7 @@ def test_fp32_copy_trains_like_bf16_exact_bitwise(tmp_path, plugin):
                               mixed_precision="bf16")
     lean_run, lean_losses = train(tmp_path / "exact", max_steps=4, plugin=plugin, **LEAN_U16 | BF16_EXACT |
                                   dict(optimizer_state_dtype="fp32"))
-    assert fast.optimizer._multi_tensor_ready() and not lean_run.optimizer._multi_tensor_ready()
+    assert fast.optimizer.multi_tensor_ready() and not lean_run.optimizer.multi_tensor_ready()
     assert fast_losses == lean_losses and torch.equal(params(fast), params(lean_run))
     model = fast.booster.unwrap(fast.model)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad)

@@ -69,13 +69,13 @@ class AdamW(LeanOptimizer):
         denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
         w.addcdiv_(m, denom, value=-lr / bias1)
 
-    def _multi_tensor_ready(self) -> bool:
+    def multi_tensor_ready(self) -> bool:
         return (self.multi_tensor and type(self) is AdamW and not self.fused_backward and not self.placement.offload
                 and all(g["state_dtype"] == "fp32" and not g.get("per_tensor_clip") for g in self.param_groups))
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not self._multi_tensor_ready():
+        if not self.multi_tensor_ready():
             return super().step(closure)
         loss = None
         if closure is not None:

@@ -123,6 +123,10 @@ class LeanOptimizer(torch.optim.Optimizer):
         # A tensor factor, not a Python branch: no device->host sync per parameter.
         return g32 * (max_norm / (norm.to(g32.device) + 1e-6)).clamp(max=1.0)
 
+    def multi_tensor_ready(self) -> bool:
+        """True when step() updates many parameters per kernel call (AdamW with fp32 states on the device)."""
+        return False
+
     def _update(self, w, g, s, group, step, st):
         raise NotImplementedError(f"{type(self).__name__} must implement _update")
 

@@ -63,8 +63,11 @@ class TrainStep:
             self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
                                                fused=True if fused_adamw else None)
         compile_model(model, compile, compile_backend, compile_mode)
+        self.cuda_graphs = compile is not None and compile_mode is not None and "reduce-overhead" in compile_mode
 
     def __call__(self, x, y) -> torch.Tensor:
+        if self.cuda_graphs:  # a new iteration: graph outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.precision == "autocast_bf16"):
             loss = self.loss_fn(self.model, x, y)

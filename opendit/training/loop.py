@@ -20,6 +20,7 @@ from opendit.ema import ShardedEMA
 from opendit.encoders.vae import load_vae
 from opendit.kernels import configure_kernels
 from opendit.models import build_model, model_spec
+from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter, dit_train_flops_per_image
 from opendit.training.objective import DiffusionObjective, latent_geometry
@@ -135,6 +136,8 @@ class Trainer:
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
         # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter
         self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_opts, cfg.grad_accum)
+        if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
+            logger.info("optimizer step: torch's fused AdamW kernel over all parameters at once (multi-tensor)")
         self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
         self.step = 0
         if self.resume_from is not None:
