@@ -192,7 +192,9 @@ class Trainer:
         logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
                     self.total_steps, cfg.batch_size, self.booster.dp_size)
         self.model.train()
-        interval_loss, interval_steps = 0.0, 0
+        # the loss stays a device tensor between logs: no host sync per step, so the host queues the next
+        # step's kernels while the device still runs this one (float64: the sum a Python float would give)
+        interval_loss, interval_steps = torch.zeros((), dtype=torch.float64, device=self.dist.device), 0
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
             for batch in self.loader:
@@ -201,16 +203,16 @@ class Trainer:
                 self.step += 1
                 interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    mean_loss = all_reduce_mean(interval_loss / interval_steps)
+                    mean_loss = all_reduce_mean(interval_loss.item() / interval_steps)
                     losses.append(mean_loss)
                     metrics = {"loss": mean_loss, "lr": self.scheduler.get_last_lr()[0]}
                     if cfg.grad_clip > 0:
-                        metrics["grad_norm"] = grad_norm
+                        metrics["grad_norm"] = float(grad_norm)  # this step's
                     if cfg.mixed_precision == "fp16":
                         metrics["skipped_steps"] = self.booster.skipped_steps
                     log.log(self.step, metrics,
                             images=interval_steps * cfg.batch_size)
-                    interval_loss, interval_steps = 0.0, 0
+                    interval_loss, interval_steps = interval_loss.zero_(), 0
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
                     self.save()
                 if self.step >= self.total_steps:
@@ -220,24 +222,25 @@ class Trainer:
         log.close()
         return losses
 
-    def train_step(self, batch) -> tuple[float, float]:
-        """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm)."""
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm), both
+        device tensors (reading them waits for the step; the norm is None without --grad_clip)."""
         cfg, booster = self.cfg, self.booster
         x, y = self.objective.prepare(batch, self.dist.device)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
             last = i == cfg.grad_accum - 1
             with booster.no_sync(self.model, enabled=not last), booster.autocast():
                 loss = self.objective.loss(self.model, xm, ym) / cfg.grad_accum
                 booster.backward(loss, self.optimizer)
-            total += loss.item()
+            total += loss.detach()
         # never under --fused_backward (refused at start): its gradients are gone, each freed after its update
         clip = cfg.grad_clip > 0 and self.fused is None
-        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if clip else float("nan")
+        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if clip else None
         if booster.step(self.optimizer):
             self.scheduler.step()
             self.ema.update(self.model)
-        return total, float(grad_norm)
+        return total, grad_norm
 
     def save(self) -> None:
         extra = {"data": self.loader.state_dict(), "config": cfglib.to_dict(self.cfg)}
