@@ -16,7 +16,7 @@ stamp "device" | tee "$OUT/device.txt"
 stamp "training throughput (DiT-XL/2, 256px, batch 256)"
 timeout "${THROUGHPUT_S:-240}" python3 benchmarks/train_throughput.py --model DiT-XL/2 --image_size 256 \
   --batch_size 256 --recipe_batch_size 32 --warmup 3 --steps 8 --time_budget "${BUDGET_S:-180}" \
-  --out "$OUT/train_throughput.md" 2>&1 | grep -v Warning | tail -30
+  --out "$OUT/train_throughput.md" --profile all --profile_out "$OUT/step_profile.md" 2>&1 | grep -v Warning | tail -60
 
 stamp "kernel benchmark"
 timeout "${KERNELS_S:-60}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import format_profile, profile_step  # noqa: E402  (benchmarks/, beside this file)
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
@@ -80,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--time_budget", type=float, default=0.0, help="seconds; 0 = no limit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--profile", default=None, choices=list(VARIANTS),
+                   help="after timing this variant, profile 2 more steps: device time by kind of kernel")
+    p.add_argument("--profile_out", default=None, help="write the profile here (else stdout)")
     return p.parse_args(argv)
 
 
@@ -102,8 +107,9 @@ def _notes(spec, backend, device):
     return "; ".join(notes)
 
 
-def run_variant(spec, args, device, latent, batch):
-    """Build, warm up and time one variant -> dict of measurements (raises on OOM / failure)."""
+def run_variant(spec, args, device, latent, batch, profile_title=None):
+    """Build, warm up and time one variant -> dict of measurements (raises on OOM / failure). With
+    profile_title, two more steps run under the profiler and the row gets a "profile" (markdown)."""
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, input_size=latent, in_channels=4, num_classes=args.num_classes)
@@ -128,7 +134,8 @@ def run_variant(spec, args, device, latent, batch):
     dt = time.perf_counter() - t1
     loss = loss.item()
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    return dict(status="ok" if math.isfinite(loss) else f"non-finite loss {loss}", batch=batch,
+    profile = format_profile(profile_step(step, x, y), profile_title) if profile_title else None
+    return dict(profile=profile, status="ok" if math.isfinite(loss) else f"non-finite loss {loss}", batch=batch,
                 img_per_s=batch * args.steps / dt, ms_per_step=1e3 * dt / args.steps, peak_mem_gib=peak,
                 warmup_s=t1 - t0, loss=loss, notes=_notes(spec, backend, device))
 
@@ -187,7 +194,12 @@ def main(argv=None):
             torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over between variants
             _free(device)
             try:
-                row.update(run_variant(spec, args, device, latent, batch))
+                title = f"Where the step's time goes: {label}, {args.model}, batch {batch}, {name}"
+                row.update(run_variant(spec, args, device, latent, batch, title if key == args.profile else None))
+                if row["profile"]:
+                    print(row["profile"], flush=True)
+                    if args.profile_out:
+                        Path(args.profile_out).write_text(row["profile"])
                 row["tflops"] = row["img_per_s"] * flops / 1e12
                 row["mfu"] = perf.mfu(row["img_per_s"] * flops, peak)
             except torch.OutOfMemoryError:

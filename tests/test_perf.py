@@ -26,6 +26,7 @@ from opendit.training.fast_step import TrainStep
 from opendit.training.objective import DiffusionObjective
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark scripts are not a package
 
 
 def test_dit_xl2_at_256px_costs_712_gflop_per_training_image():
@@ -161,11 +162,7 @@ def test_train_step_rejects_unknown_precision_and_compile_target():
 
 
 def _benchmark(tmp_path, *extra):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_throughput
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import train_throughput
     out = tmp_path / "table.md"
     rows = train_throughput.main(["--model", "DiT-debug", "--image_size", "32", "--batch_size", "4",
                                   "--device", "cpu", "--warmup", "1", "--steps", "2", "--out", str(out), *extra])
@@ -192,6 +189,31 @@ def test_throughput_benchmark_cpu_smoke(tmp_path, capsys):
     assert status == {"a": "ok", "b": "skipped (--skip_compile)", "c0": "ok", "bf16": "ok"}
     assert rows[0]["batch"] == 2 and rows[2]["batch"] == 4
     assert "| 1.00 |" in table  # a against itself
+
+
+def test_throughput_benchmark_profiles_one_variant(tmp_path):
+    """--profile: two more steps of the warmed-up variant under torch.profiler, time grouped by kind."""
+    prof = tmp_path / "profile.md"
+    rows, _ = _benchmark(tmp_path, "--skip_compile", "--variants", "a", "bf16", "--profile", "bf16",
+                         "--profile_out", str(prof))
+    assert rows[0]["profile"] is None and rows[1]["profile"] == prof.read_text()
+    text = prof.read_text()
+    shares = [float(line.split("|")[3].strip().rstrip("%")) for line in text.split("Top")[0].splitlines()
+              if line.startswith("| ") and line.endswith("% |")]
+    assert len(shares) >= 3 and sum(shares) == pytest.approx(100, abs=0.5)
+    for kind in ("| matmul |", "| optimizer |", "`aten::_fused_adamw_` | optimizer"):
+        assert kind in text
+
+
+def test_profile_categories():
+    from step_profile import category
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert category("triton_tem_fused_addmm_0") == "matmul"
+    assert category("flash_fwd_kernel<Flash_fwd_kernel_traits<72, 128>>") == "attention"
+    assert category("triton_per_fused_native_layer_norm_0") == "triton (inductor + ours)"
+    assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") \
+        == "optimizer"
+    assert category("Memcpy HtoD (Pageable -> Device)") == "copies / fills"
 
 
 @pytest.mark.slow
