@@ -87,6 +87,14 @@ def test_fused_kernel_on_non_contiguous_states_updates_the_right_elements():
         assert not p.is_contiguous() and torch.equal(d, p)
 
 
+def test_fused_update_bumps_the_version_counter():
+    # torch's kernel does not; block swap relies on it to see that a weight changed inside backward
+    w = torch.zeros(5)
+    before = w._version
+    adam.fused_adamw_([w], [torch.ones(5)], [torch.zeros(5)], [torch.zeros(5)], 1, 0.1, 0.9, 0.999, 1e-8, 0.0)
+    assert w._version > before and not torch.equal(w, torch.zeros(5))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("master", ["fp32", "fp32_copy"])
 def test_cuda_multi_tensor_step_equals_torch_fused_and_per_parameter(master):
