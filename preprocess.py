@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from opendit.data import build_dataset
 from opendit.data.latents import CACHE_VERSION, MANIFEST, PARTIAL_SUFFIX, write_shard
-from opendit.distributed import broadcast_object, init_distributed
+from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
 from opendit.encoders.vae import SD_VAE_SCALE, load_vae, vae_geometry
 
 logger = logging.getLogger("opendit.preprocess")
@@ -166,5 +166,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    cleanup()
+    exit_process()

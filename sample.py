@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from opendit import config as cfglib
-from opendit.distributed import cleanup, init_distributed
+from opendit.distributed import cleanup, exit_process, init_distributed
 from opendit.parallel import validate_sp
 from opendit.inference import global_batches, load_model, make_diffusion, sample_batch, save_png, write_grid
 from opendit.training.run_log import setup_logging
@@ -67,3 +67,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cfglib.add_arguments(parser, cfglib.SampleConfig)
     main(cfglib.from_args(cfglib.SampleConfig, parser.parse_args()))
+    exit_process()

@@ -7,7 +7,7 @@
 import argparse
 
 from opendit import config as cfglib
-from opendit.distributed import cleanup
+from opendit.distributed import cleanup, exit_process
 
 
 def main(cfg: cfglib.TrainConfig) -> None:
@@ -21,3 +21,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cfglib.add_arguments(parser, cfglib.TrainConfig)
     main(cfglib.from_args(cfglib.TrainConfig, parser.parse_args()))
+    exit_process()
