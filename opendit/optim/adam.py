@@ -30,7 +30,9 @@ def fused_adamw_(ws, gs, ms, vs, step: int, lr, beta1, beta2, eps, weight_decay)
             if d is not t:
                 t.copy_(d)
     # nor does it bump the tensors' version counters, which tell block swap that a weight changed
-    torch.autograd.graph.increment_version([t for t, d in zip(ws, lists[0]) if d is t])
+    for t, d in zip(ws, lists[0]):
+        if d is t:  # (a copied-back one was bumped by its copy_)
+            torch.autograd.graph.increment_version(t)
 
 
 def lean_defaults(lr, betas, eps, weight_decay, state_dtype, master_weights, u16_block, u16_power,
