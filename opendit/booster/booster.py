@@ -113,9 +113,12 @@ class Booster:
             self.scaler.unscale_(params)
         total = global_grad_norm(params, norm_type, self.device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_kind = {}  # one multi-tensor multiply per (device, dtype)
         for p in params:
             g = _local(p.grad)
-            g.mul_(coef.to(g.device, g.dtype))
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), grads in by_kind.items():
+            torch._foreach_mul_(grads, coef.to(device, dtype))
         return total
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
