@@ -49,6 +49,7 @@ def lean_defaults(lr, betas, eps, weight_decay, state_dtype, master_weights, u16
 
 class AdamW(LeanOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
+    multi_tensor = True  # False: always the per-parameter path (the tests compare the two)
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  state_device="gpu", state_dtype="fp32", master_weights="fp32", u16_block=256,
@@ -56,8 +57,6 @@ class AdamW(LeanOptimizer):
         defaults = lean_defaults(lr, betas, eps, weight_decay, state_dtype, master_weights, u16_block,
                                  u16_power, small_numel, per_tensor_clip, **extra)
         super().__init__(params, defaults, state_device=state_device, seed=seed)
-
-    multi_tensor = True  # False: always the per-parameter path (the tests compare the two)
 
     def _update(self, w, g, s, group, step, st):
         lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
@@ -75,7 +74,8 @@ class AdamW(LeanOptimizer):
 
     def multi_tensor_ready(self) -> bool:
         return (self.multi_tensor and type(self) is AdamW and not self.fused_backward and not self.placement.offload
-                and all(g["state_dtype"] == "fp32" and not g.get("per_tensor_clip") for g in self.param_groups))
+                and all(g["state_dtype"] == "fp32" and not g.get("per_tensor_clip") for g in self.param_groups)
+                and all(local_tensor(p).device.type in FUSED_DEVICES for g in self.param_groups for p in g["params"]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,15 +92,8 @@ class AdamW(LeanOptimizer):
                     continue
                 st = self.state.get(p) or self._init_state(p, group)
                 st["step"] += 1
-                device = local_tensor(p).device
-                key = (device, int(st["step"]) if device.type in FUSED_DEVICES else None)
-                buckets.setdefault(key, []).append(p)
-            for (device, step), params in buckets.items():
-                if step is None:  # no fused kernel on this device: the per-parameter formula
-                    for p in params:
-                        self.state[p]["step"] -= 1
-                        self.update_param(p, group)
-                    continue
+                buckets.setdefault((local_tensor(p).device, int(st["step"])), []).append(p)
+            for (_, step), params in buckets.items():
                 chunk, numel = [], 0
                 for p in params:
                     chunk.append(p)
