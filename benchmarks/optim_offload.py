@@ -2,10 +2,11 @@
 
     python benchmarks/optim_offload.py --batch_size 32 --steps 5          # one H200: about 2 minutes
 
-For each configuration (ours AdamW takes one multi-tensor fused call per step when its states are fp32 on the
-GPU; the per-parameter row times the same kernel called once per parameter): ms per training step, the step's overhead over forward+backward alone, the time of
+For each configuration: ms per training step, the step's overhead over forward+backward alone, the time of
 the optimizer's work measured on its own (same configuration, not fused into backward), the share of that
 work hidden behind compute (1 - overhead / optimizer-alone), and peak GPU memory. bf16 compute throughout.
+Our AdamW makes one multi-tensor fused call per step when its states are fp32 on the GPU; the
+"per-parameter calls" row runs the same kernel once per parameter, to show what the grouping saves.
 """
 import argparse
 import sys
