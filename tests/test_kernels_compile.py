@@ -22,9 +22,7 @@ pytest.importorskip("triton")
 from opendit.kernels import triton_norm, triton_pointwise  # noqa: E402
 from opendit.models.dit import DiTBlock  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FWD_TOL = dict(atol=1e-5, rtol=1e-5)
-GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+from tests.test_kernels import DEVICE, FWD_TOL, GRAD_TOL  # noqa: E402  (the same device and bounds)
 
 
 def _t(*shape, grad=True):
