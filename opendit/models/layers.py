@@ -82,8 +82,9 @@ class Mlp(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention. x [B, N, D] -> [B, N, D]; the math runs in opendit.kernels.attention.
 
-    `attn_backend` is set by the model ("sdpa", "flash", "math"); `sequence_parallel` is an optional hook
-    object (opendit.parallel) that replaces the attention core when the sequence is split over ranks.
+    `attn_backend` is set by the model ("sdpa", "flash", "math"); `sequence_parallel` is an optional
+    opendit.parallel.SequenceParallel: when set, x is this rank's chunk of a sequence split over ranks and the
+    layer runs through its two stages (to_heads, attend) around the head-parallel middle.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
@@ -98,9 +99,12 @@ class Attention(nn.Module):
         self.sequence_parallel = None
 
     def forward(self, x):
-        if self.sequence_parallel is not None:
-            return self.sequence_parallel(self, x)
-        B, N, D = x.shape
-        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = attention(qkv[0], qkv[1], qkv[2], backend=self.attn_backend)  # [B, H, N, Dh]
+        B, N, D = x.shape  # under SP, N is this rank's chunk
+        sp = self.sequence_parallel
+        if sp is None:
+            qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            out = attention(qkv[0], qkv[1], qkv[2], backend=self.attn_backend)  # [B, H, N, Dh]
+        else:
+            qkv = sp.to_heads(x, self.qkv.weight, self.qkv.bias, self.num_heads)  # [3, B, H/P, N*P, Dh]
+            out = sp.attend(qkv[0], qkv[1], qkv[2], self.attn_backend)  # [B, H, N, Dh]
         return self.proj(out.transpose(1, 2).reshape(B, N, D))

@@ -1,17 +1,23 @@
-"""Sequence-parallel attention: a hook object for `opendit.models.layers.Attention.sequence_parallel`.
+"""Sequence-parallel attention: the two stages an attention layer calls when its tokens are split over ranks.
 
 Between attention layers each of the P ranks of `group` holds a contiguous chunk of n = ceil(N/P) tokens of
-every sample; the rest of a block (adaLN, MLP, residuals) is per token and runs on the chunk unchanged.
+every sample; the rest of a block (adaLN, MLP, residuals) is per token and runs on the chunk unchanged. An
+attention layer cuts itself in two around a "head-parallel" middle layout, q, k, v [B, H/P, nP, Dh]: this
+rank's heads over the WHOLE padded sequence. Per-head, per-token ops (q/k RMSNorm, RoPE) run there unchanged.
 
-  FastSeq  x [B, n, D] --ring all-gather, overlapped with qkv of this rank's H/P heads--> qkv [B, nP, 3, H/P, Dh]
-           --attention over the whole sequence--> [B, H/P, nP, Dh] --all-to-all--> [B, H, n, Dh] --proj-->
-  Ulysses  x [B, n, D] --qkv (all heads)--> [B, n, 3, H, Dh] --all-to-all--> [B, nP, 3, H/P, Dh]
-           --attention--> [B, H/P, nP, Dh] --all-to-all--> [B, H, n, Dh] --proj-->
+  to_heads FastSeq x [B, n, D] --ring all-gather, hidden behind qkv of this rank's H/P heads--> [3, B, H/P, nP, Dh]
+           Ulysses x [B, n, D] --qkv (all heads)--> [B, n, 3, H, Dh] --all-to-all--> [3, B, H/P, nP, Dh]
+  attend   both    q, k, v [B, H/P, nP, Dh] --attention--> [B, H/P, nP, Dh] --all-to-all--> [B, H, n, Dh]
 
-Padding: `split` pads N up to nP with zeros and remembers N; attention then drops the padded keys/values
-(k, v[:, :, :N]), which masks them exactly and keeps flash attention usable (it takes no mask). Padded
+Joint sequences (FLUX: text + image, each stream with its own qkv): split and to_heads each stream, concatenate
+the head-parallel tensors along the sequence ([txt padded, img padded]) and pass attend the unpadded segment
+lengths; it returns the local [txt chunk, img chunk]. See docs/sequence_parallel.md for a sketch.
+
+Padding: `split` pads N up to nP with zeros; attend drops every segment's padded keys/values (k, v[:, :, :N]
+for one segment), which masks them exactly and keeps flash attention usable (it takes no mask). Padded
 queries give finite values that `gather` cuts off, so they receive no gradient.
 """
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -21,11 +27,28 @@ from opendit.parallel.plan import KINDS, default_sp_kind, padded_len
 from opendit.parallel.ring import ring_gather_linear
 
 
+def _pad(t, length: int, dim: int):
+    """Zero-pad dim `dim` of t up to `length`."""
+    pad = length - t.shape[dim]
+    if not pad:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, pad])
+
+
+def _real_tokens(t, seq_lens, padded):
+    """t [B, h, sum(padded), Dh] -> [B, h, sum(seq_lens), Dh]: each segment without its padding (one segment:
+    the view t[:, :, :N], no copy)."""
+    starts = [sum(padded[:i]) for i in range(len(padded))]
+    segs = [t[:, :, s:s + N] for s, N in zip(starts, seq_lens)]
+    return segs[0] if len(segs) == 1 else torch.cat(segs, dim=2)
+
+
 class SequenceParallel:
-    """One per model, shared by its Attention modules. kind: "fastseq", "ulysses" or "auto" (by group size).
+    """One per model, shared by its attention layers. kind: "fastseq", "ulysses" or "auto" (by group size).
 
     `counter` (a CommCounter, optional) tallies the bytes each collective sends. Usage in a model's forward:
-    tokens = sp.split(tokens) after embedding; blocks; out = sp.gather(out) before unpatchify.
+    tokens = sp.split(tokens) after embedding; in each attention layer to_heads, then attend; out =
+    sp.gather(out) before unpatchify.
     """
 
     def __init__(self, group, kind: str = "auto", counter=None):
@@ -35,7 +58,7 @@ class SequenceParallel:
         if self.kind not in KINDS:
             raise ValueError(f"sequence parallel type {kind!r} is unknown; choose one of {KINDS + ('auto',)}")
         self.counter = counter
-        self.seq_len = None  # the unpadded length of the sequence being processed, set by split()
+        self.seq_len = None  # the unpadded length of the last sequence split(), the default of attend/gather
 
     def __deepcopy__(self, memo):
         # Process groups cannot be copied; a copy of the model (e.g. an EMA) shares this group and hook.
@@ -48,68 +71,96 @@ class SequenceParallel:
     def split(self, tokens, dim: int = 1):
         """tokens [B, N, D], the same on every rank of the group -> this rank's chunk [B, ceil(N/P), D].
 
-        The backward is local (this chunk's gradient, zeros elsewhere): see `gather` for why that is exact.
+        Remembers N as the default length of attend() and gather() (a model with several streams passes
+        their lengths explicitly). The backward is local (this chunk's gradient, zeros elsewhere): see
+        `gather` for why that is exact.
         """
         N = tokens.shape[dim]
         self.seq_len = N
-        pad = padded_len(N, self.size) - N
-        if pad:
-            pads = [0, 0] * (tokens.dim() - 1 - dim % tokens.dim()) + [0, pad]
-            tokens = F.pad(tokens, pads)
-        return tokens.chunk(self.size, dim=dim)[self.rank]
+        return _pad(tokens, padded_len(N, self.size), dim).chunk(self.size, dim=dim)[self.rank]
 
-    def gather(self, x, dim: int = 1):
+    def pad_full(self, t, seq_lens=None, dim: int = 1):
+        """A full-sequence tensor (e.g. RoPE cos/sin [N, Dh/2]) -> the head-parallel layout's padded sequence.
+
+        t holds the segments of lengths seq_lens (default: one segment, all of dim `dim`) one after the other;
+        each is zero-padded to a multiple of P, as split() pads its stream: [N_txt + N_img, ...] ->
+        [pad(N_txt) + pad(N_img), ...]. Padded tokens only meet padded queries and dropped keys.
+        """
+        seq_lens = [t.shape[dim]] if seq_lens is None else list(seq_lens)
+        if sum(seq_lens) != t.shape[dim]:
+            raise ValueError(f"pad_full: dim {dim} of shape {tuple(t.shape)} does not hold the segments "
+                             f"{seq_lens}; pass the unpadded lengths of the streams t concatenates")
+        segs = t.split(seq_lens, dim=dim)
+        return torch.cat([_pad(s, padded_len(N, self.size), dim) for s, N in zip(segs, seq_lens)], dim=dim)
+
+    def gather(self, x, dim: int = 1, seq_len=None):
         """This rank's chunk [B, n, C] -> the whole sequence [B, N, C] on every rank (padding removed).
 
-        Backward: reduce-scatter, the adjoint of the all-gather. Every rank computes the same loss from the
-        gathered output, so rank r's weight gradient is P times its chunk's share and the MEAN over the group
-        equals the unsplit gradient -- the mean that the DP x SP gradient reduction takes anyway.
+        seq_len: the stream's unpadded N (default: the last split()'s). Backward: reduce-scatter, the adjoint
+        of the all-gather. Every rank computes the same loss from the gathered output, so rank r's weight
+        gradient is P times its chunk's share and the MEAN over the group equals the unsplit gradient -- the
+        mean that the DP x SP gradient reduction takes anyway.
         """
+        N = self.seq_len if seq_len is None else seq_len
+        full = x.shape[dim] * self.size
+        if N is not None and padded_len(N, self.size) != full:
+            raise ValueError(f"gather: {x.shape[dim]} tokens per rank hold a padded sequence of {full}, not one "
+                             f"of {N} tokens; pass gather(..., seq_len=N) with this stream's unpadded length")
         out = gather_seq(x, self.group, dim=dim, counter=self.counter, site="boundary")
-        if self.seq_len is not None and self.seq_len < out.shape[dim]:
-            out = out.narrow(dim, 0, self.seq_len)
-        return out
+        return out if N is None or N == full else out.narrow(dim, 0, N)
 
     # ------------------------------------------------------------------------------------- attention
-    def __call__(self, attn, x):
-        """attn: an Attention module (weights replicated on every rank); x [B, n, D] -> [B, n, D]."""
-        if attn.num_heads % self.size:
-            raise ValueError(f"{attn.num_heads} attention heads cannot be split over a sequence-parallel group "
-                             f"of {self.size}; choose a group size that divides the head count")
-        out = self._fastseq(attn, x) if self.kind == "fastseq" else self._ulysses(attn, x)  # [B, H/P, nP, Dh]
+    def to_heads(self, x, weight, bias, num_heads: int):
+        """Stage 1: this rank's chunk x [B, n, D] -> qkv [3, B, H/P, nP, Dh], this rank's heads, all tokens.
+
+        weight [3*H*Dh, D], bias [3*H*Dh] or None: a fused qkv Linear whose rows are laid out (3, H, Dh)
+        (DiT's and FLUX's). FastSeq projects only this rank's head rows, hidden behind the ring all-gather of
+        x; Ulysses projects every head locally and all-to-alls from sequence-split to head-split.
+        """
+        P = self.size
+        if num_heads % P:
+            raise ValueError(f"{num_heads} attention heads cannot be split over a sequence-parallel group "
+                             f"of {P}; choose a group size that divides the head count")
+        if weight.shape[0] % (3 * num_heads):
+            raise ValueError(f"to_heads: qkv weight of shape {tuple(weight.shape)} has no (3, {num_heads}, Dh) "
+                             f"row layout; pass the fused q, k, v projection of {num_heads} heads")
+        B, n, D = x.shape
+        H, Dh, h = num_heads, weight.shape[0] // (3 * num_heads), num_heads // P
+        if self.kind == "fastseq":
+            heads = slice(self.rank * h, (self.rank + 1) * h)
+            # The rows are laid out (3, H, Dh): this rank's heads are a slice of each of q, k, v.
+            w = weight.view(3, H, Dh, D)[:, heads].reshape(3 * h * Dh, D)
+            b = None if bias is None else bias.view(3, H, Dh)[:, heads].reshape(-1)
+            qkv = ring_gather_linear(x, w, b, self.group, counter=self.counter, site="fastseq")  # [B, nP, 3hDh]
+            qkv = qkv.view(B, n * P, 3, h, Dh)
+        else:
+            qkv = F.linear(x, weight, bias).view(B, n, 3, H, Dh)
+            qkv = all_to_all(qkv, self.group, scatter_dim=3, gather_dim=1, counter=self.counter,
+                             site="ulysses")  # [B, nP, 3, H/P, Dh]
+        return qkv.permute(2, 0, 3, 1, 4)
+
+    def attend(self, q, k, v, backend: str = "sdpa", seq_lens=None):
+        """Stage 2: q, k, v [B, H/P, L, Dh] over the padded sequence -> this rank's tokens [B, H, n, Dh].
+
+        seq_lens: the unpadded lengths of the segments q/k/v concatenate, each padded to a multiple of P
+        (L = sum of the padded lengths); default one segment of the last split()'s length. Attention runs over
+        every segment's real keys, then one all-to-all returns this rank's chunk of each segment, all heads,
+        in segment order: [B, H, n_0 + n_1 + ..., Dh].
+        """
+        P, L = self.size, q.shape[2]
+        seq_lens = [L if self.seq_len is None else self.seq_len] if seq_lens is None else list(seq_lens)
+        padded = [padded_len(N, P) for N in seq_lens]
+        if sum(padded) != L:
+            raise ValueError(f"attend: q has {L} tokens but the segments {seq_lens} pad to {padded} (sum "
+                             f"{sum(padded)}); call sp.split on every stream each forward and pass attend its "
+                             f"unpadded lengths, in the order the head-parallel tensors were concatenated")
+        if padded != seq_lens:
+            k, v = _real_tokens(k, seq_lens, padded), _real_tokens(v, seq_lens, padded)
+        out = attention(q, k, v, backend=backend)  # [B, H/P, L, Dh]
+        if len(padded) > 1:
+            # Rank-major order [chunk r of segment 0, chunk r of segment 1, ...] for r = 0..P-1, so that the
+            # all-to-all's block r is rank r's tokens: [B, h, L, Dh] -> [B, h, P, n_0 + n_1 + ..., Dh] -> flat.
+            segs = [s.unflatten(2, (P, -1)) for s in out.split(padded, dim=2)]
+            out = torch.cat(segs, dim=3).flatten(2, 3)
         # Back to sequence-split, all heads: rank i receives its own tokens from every rank, in head order.
-        out = all_to_all(out, self.group, scatter_dim=2, gather_dim=1, counter=self.counter, site=self.kind)
-        B, n, D = x.shape
-        return attn.proj(out.transpose(1, 2).reshape(B, n, D))
-
-    def _fastseq(self, attn, x):
-        B, n, D = x.shape
-        H, Dh = attn.num_heads, attn.head_dim
-        h = H // self.size
-        heads = slice(self.rank * h, (self.rank + 1) * h)
-        # The rows of qkv.weight are laid out (3, H, Dh): this rank's heads are a view of each of q, k, v.
-        w = attn.qkv.weight.view(3, H, Dh, D)[:, heads].reshape(3 * h * Dh, D)
-        b = None if attn.qkv.bias is None else attn.qkv.bias.view(3, H, Dh)[:, heads].reshape(-1)
-        qkv = ring_gather_linear(x, w, b, self.group, counter=self.counter, site="fastseq")  # [B, nP, 3hDh]
-        qkv = qkv.view(B, n * self.size, 3, h, Dh).permute(2, 0, 3, 1, 4)  # [3, B, h, nP, Dh]
-        return self._attend(attn, qkv)
-
-    def _ulysses(self, attn, x):
-        B, n, D = x.shape
-        H, Dh = attn.num_heads, attn.head_dim
-        qkv = attn.qkv(x).view(B, n, 3, H, Dh)
-        qkv = all_to_all(qkv, self.group, scatter_dim=3, gather_dim=1, counter=self.counter,
-                         site="ulysses")  # [B, nP, 3, H/P, Dh]
-        return self._attend(attn, qkv.permute(2, 0, 3, 1, 4))
-
-    def _attend(self, attn, qkv):
-        """qkv [3, B, h, nP, Dh] over the padded sequence -> [B, h, nP, Dh], padded keys excluded."""
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        full = q.shape[2]
-        N = full if self.seq_len is None else self.seq_len
-        if padded_len(N, self.size) != full:
-            raise RuntimeError(f"the gathered sequence has {full} tokens but split() last saw {N}; call "
-                               f"sp.split(tokens) on every forward before the attention layers")
-        if N < full:
-            k, v = k[:, :, :N], v[:, :, :N]
-        return attention(q, k, v, backend=attn.attn_backend)
+        return all_to_all(out, self.group, scatter_dim=2, gather_dim=1, counter=self.counter, site=self.kind)

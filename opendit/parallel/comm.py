@@ -46,10 +46,6 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def group_size_rank(group):
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 # ----------------------------------------------------------------------------------------------- all-to-all
 def _all_to_all(x, group, scatter_dim, gather_dim, counter, key):
     """Split x in P blocks along scatter_dim, send block i to rank i, concatenate the received blocks along

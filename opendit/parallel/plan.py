@@ -1,7 +1,8 @@
 """Choosing and checking a sequence-parallel setup, and the analytic communication volume of each method.
 
 Bytes sent per attention layer per rank, forward (the backward sends the same again), for a sequence of N
-tokens (padded to a multiple of P) of width D, batch B, e bytes per element, over P ranks:
+tokens (padded to a multiple of P; a joint sequence: the sum of its streams' padded lengths) of width D = H*Dh,
+batch B, e bytes per element, over P ranks:
 
   FastSeq: all-gather of the block input   (P-1)/P   * B N D e
            all-to-all of the attention out  (P-1)/P^2 * B N D e       total (P-1)(P+1)/P^2 * B N D e
@@ -26,10 +27,14 @@ def padded_len(seq_len: int, sp_size: int) -> int:
     return -(-seq_len // sp_size) * sp_size
 
 
-def comm_bytes_per_layer(kind: str, sp_size: int, seq_len: int, hidden: int, batch: int = 1,
+def comm_bytes_per_layer(kind: str, sp_size: int, seq_len, hidden: int, batch: int = 1,
                          elem_bytes: int = 4, backward: bool = True) -> int:
-    """Analytic bytes one rank sends for one attention layer (forward, plus backward when asked)."""
-    P, N, D = sp_size, padded_len(seq_len, sp_size), hidden
+    """Analytic bytes one rank sends for one attention layer (forward, plus backward when asked).
+
+    seq_len: N, or the lengths of a joint sequence's streams ([N_txt, N_img]), each padded separately.
+    """
+    lens = [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    P, N, D = sp_size, sum(padded_len(n, sp_size) for n in lens), hidden
     if kind == "fastseq":  # both terms divide exactly: N is a multiple of P, D of the head count's P
         fwd = (P - 1) * (batch * N * D) // P + (P - 1) * (batch * N * D) // (P * P)
     elif kind == "ulysses":
