@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import DigitsDataset  # noqa: E402
-from opendit.inference import load_model, make_diffusion, sample_batch  # noqa: E402
+from opendit.inference import load_model  # noqa: E402
 
 
 def train_classifier(image_size: int):
@@ -66,13 +66,13 @@ def main():
     sample_cfg = cfglib.SampleConfig(ckpt=str(ckpt), cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
                                      sampler="ddpm", seed=a.seed)
     device = torch.device("cpu")
-    model, vae, settings = load_model(sample_cfg, device)
-    diffusion = make_diffusion(sample_cfg, settings["learn_sigma"])
-    labels = list(range(10))
+    loaded = load_model(sample_cfg, device)
+    family = loaded.family
+    sampler, labels = family.make_sampler(sample_cfg, loaded.cfg), list(range(10))
     n = 10 * a.samples_per_class
     t1 = time.time()
-    images = np.concatenate([sample_batch(model, vae, diffusion, range(s, min(s + 50, n)), labels, sample_cfg,
-                                          settings, device) for s in range(0, n, 50)])
+    images = np.concatenate([family.sample_batch(loaded, sampler, range(s, min(s + 50, n)), labels, sample_cfg, device)
+                             for s in range(0, n, 50)])
     sample_s = time.time() - t1
     wanted = np.array([labels[i % 10] for i in range(n)])
     x = images.reshape(n, -1).astype(np.float32) / 127.5 - 1.0  # same scaling as the real digits

@@ -26,14 +26,14 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_step(step, x, y, steps: int = 2) -> dict:
-    """Run `step(x, y)` `steps` times under the profiler -> {"per_category": {label: us per step},
+def profile_step(step, x, cond, steps: int = 2) -> dict:
+    """Run `step(x, cond)` `steps` times under the profiler -> {"per_category": {label: us per step},
     "top": [(name, us per step, calls per step)], "total_us": us per step, "clock": "device" | "cpu"}."""
     cuda = x.is_cuda
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step(x, y)
+            step(x, cond)
         if cuda:
             torch.cuda.synchronize(x.device)
     rows = []

@@ -39,7 +39,8 @@ from step_profile import format_profile, profile_step  # noqa: E402  (benchmarks
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
-from opendit.models import MODELS, build_model  # noqa: E402
+from opendit.families.dit import DIT_MODELS  # noqa: E402
+from opendit.models import build_model  # noqa: E402
 from opendit.training.fast_step import TrainStep  # noqa: E402
 from opendit.training.objective import DiffusionObjective  # noqa: E402
 
@@ -63,7 +64,7 @@ VARIANTS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="DiT-XL/2", choices=list(MODELS))
+    p.add_argument("--model", default="DiT-XL/2", choices=list(DIT_MODELS))
     p.add_argument("--image_size", type=int, default=256, help="pixels; latents are image_size / 8")
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--recipe_batch_size", type=int, default=None,
@@ -122,19 +123,19 @@ def run_variant(spec, args, device, latent, batch, profile_title=None):
                      compile_backend=args.compile_backend, compile_mode=spec.get("compile_mode", args.compile_mode))
     g = torch.Generator(device).manual_seed(args.seed)
     x = torch.randn(batch, 4, latent, latent, device=device, generator=g)  # synthetic, VAE-scaled-like latents
-    y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
+    cond = {"y": torch.randint(0, args.num_classes, (batch,), device=device, generator=g)}
     t0 = time.perf_counter()
     for _ in range(args.warmup):
-        step(x, y)
+        step(x, cond)
     _sync(device)
     t1 = time.perf_counter()
     for _ in range(args.steps):
-        loss = step(x, y)
+        loss = step(x, cond)
     _sync(device)
     dt = time.perf_counter() - t1
     loss = loss.item()
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    profile = format_profile(profile_step(step, x, y), profile_title) if profile_title else None
+    profile = format_profile(profile_step(step, x, cond), profile_title) if profile_title else None
     return dict(profile=profile, status="ok" if math.isfinite(loss) else f"non-finite loss {loss}", batch=batch,
                 img_per_s=batch * args.steps / dt, ms_per_step=1e3 * dt / args.steps, peak_mem_gib=peak,
                 warmup_s=t1 - t0, loss=loss, notes=_notes(spec, backend, device))

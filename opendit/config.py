@@ -1,10 +1,13 @@
 """The one home of defaults. Entry scripts turn flags into a config; library code takes plain values.
 
-A config is a dataclass; `add_arguments` derives argparse flags from its fields, `from_args` builds it,
-`save_yaml` / `load_yaml` round-trip it (unknown keys in a yaml are an error naming the key and the valid ones).
+A config is a dataclass whose fields carry their help text and, where a registry defines the valid values
+(models, plugins, precisions, samplers, ...), a function that lists them: `build_parser` derives the argparse
+flags (help, defaults, choices, sections) from it, `from_args` builds the config, `save_yaml` / `load_yaml`
+round-trip it (unknown keys in a yaml are an error naming the key and the valid ones).
 """
 import argparse
 import dataclasses
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -13,82 +16,178 @@ from pathlib import Path
 import yaml
 
 
+# Valid values, read from the registries that define them (imported when a parser is built, not before).
+def _models():
+    from opendit.families import all_models
+    return list(all_models())
+
+
+def _families():
+    from opendit.families import FAMILIES
+    return list(FAMILIES)
+
+
+def _datasets():
+    from opendit.families import all_datasets
+    return list(all_datasets())
+
+
+def _samplers():
+    from opendit.families import all_samplers
+    return list(all_samplers())
+
+
+def _plugins():
+    from opendit.booster.plugins import PLUGINS
+    return list(PLUGINS)
+
+
+def _precisions():
+    from opendit.booster.precision import DTYPES
+    return list(DTYPES)
+
+
+def _optimizers():
+    from opendit.training.optimizer import OPTIMIZER_NAMES
+    return list(OPTIMIZER_NAMES)
+
+
+def _state_formats():
+    from opendit.optim import FORMATS
+    return list(FORMATS)
+
+
+def _master_modes():
+    from opendit.optim import MASTER_MODES
+    return list(MASTER_MODES)
+
+
+def _sp_kinds():
+    from opendit.parallel import KINDS
+    return [*KINDS, "auto"]
+
+
+def _cache_dtypes():
+    from opendit.data.latents import CACHE_DTYPES
+    return list(CACHE_DTYPES)
+
+
+def opt(default=None, help: str = "", choices=None, factory=None):
+    """A config field with its help text and (optionally) a function listing its valid values."""
+    meta = {"help": help, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TrainConfig:
-    # model and data
-    model: str = "DiT-S/2"
-    dataset: str = "digits"  # "digits" (built in, no download) or "folder" (ImageNet-style class folders)
-    data_path: str | None = None
-    image_size: int = 16
-    num_classes: int = 10
-    vae: str = "none"  # "none" trains in pixel space; else a diffusers AutoencoderKL folder or hub id
-    vae_scale: float = 0.18215
-    learn_sigma: bool = True
-    class_dropout_prob: float = 0.1
-    # schedule
-    epochs: int = 1400
-    max_steps: int = 0  # 0: run all epochs
-    batch_size: int = 256  # global, over all data-parallel ranks
-    grad_accum: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 0.0  # 0: off
-    # optimizer (opendit/optim; docs/memory_lean.md). All defaults: torch's AdamW, as before
-    optimizer: str = "adamw"  # adamw | nadamw | adan | adafactor (torch's)
-    optimizer_offload: bool = False  # optimizer states in host memory, streamed per parameter
-    optimizer_state_dtype: str = "fp32"  # fp32 | bf16 | u16 | f24
-    master_weights: str = "fp32"  # fp32 | bf16_exact | bf16_stochastic | fp32_copy (bf16 params; needs bf16 mixed precision)
-    fused_backward: bool = False  # update each parameter in its post-accumulate-grad hook; no full gradient set
-    blocks_to_swap: int = 0  # keep the last N blocks' weights on the host (one process, --plugin ddp)
-    ema_decay: float = 0.9999
-    global_seed: int = 0
-    num_workers: int = 4
-    # logging and checkpoints
-    log_every: int = 50
-    ckpt_every: int = 5000
-    keep_last: int = 3
-    outputs: str = "outputs"
-    load: str | None = None  # a checkpoint dir, or "latest" (newest complete checkpoint under --outputs)
-    # distributed and speed
-    plugin: str = "ddp"
-    mixed_precision: str = "fp32"
-    dp_replicate: int = 1
-    grad_checkpoint: int = 0  # 0 off, 1 every block, k every k-th block
-    compile: bool = False
-    enable_modulate_kernel: bool = False
-    enable_layernorm_kernel: bool = False
-    enable_flashattn: bool = False
-    sequence_parallel_size: int = 1
-    sequence_parallel_type: str = "auto"
+    SECTIONS = {"model": "model and data", "epochs": "schedule", "optimizer": "optimizer and EMA",
+                "log_every": "logging and checkpoints", "plugin": "distributed and speed"}
+    model: str = opt("DiT-S/2", "model name; its family decides data, objective and sampler", _models)
+    dataset: str = opt("digits", "digits (built in, no download), folder (ImageNet-style class folders) or "
+                                 "latents (a cache written by preprocess.py)", _datasets)
+    data_path: str | None = opt(None, "the class-folder root or the latent cache folder")
+    image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "
+                                       "of its downsampling (8) x the patch size")
+    num_classes: int | None = opt(None, "classes of the label embedding; default: the data's (digits 10, a "
+                                        "folder's class folders, a cache's manifest)")
+    vae: str = opt("none", "none trains in pixel space; else a diffusers AutoencoderKL folder or hub id "
+                           "(a latent cache names its own)")
+    vae_scale: float | None = opt(None, "latents are multiplied by it; default: a cache's, else the family's "
+                                        "VAE scale (SD's 0.18215 for DiT)")
+    learn_sigma: bool = opt(True, "the model also predicts the variance (DiT's IDDPM loss); false: fixed variance")
+    class_dropout_prob: float = opt(0.1, "labels replaced by the null class this often, for classifier-free "
+                                         "guidance")
+    epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
+    max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs")
+    batch_size: int = opt(256, "global batch over all data-parallel ranks")
+    grad_accum: int = opt(1, "micro-batches per optimizer step (the batch is split into them)")
+    lr: float = opt(1e-4, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
+    grad_clip: float = opt(0.0, "clip the global gradient norm to this; 0: off")
+    optimizer: str = opt("adamw", "adamw (torch's, fused kernel on CUDA; opendit's when a lean option is set), "
+                                  "nadamw, adan (opendit's), adafactor (torch's, --plugin ddp only)", _optimizers)
+    optimizer_offload: bool = opt(False, "optimizer states in host memory, streamed per parameter")
+    optimizer_state_dtype: str = opt("fp32", "storage of the optimizer states: fp32, bf16, u16 (block-wise "
+                                             "companded, 2.03 bytes) or f24", _state_formats)
+    master_weights: str = opt("fp32", "bf16 weights (needs --mixed_precision bf16) with an fp32 master copy "
+                                      "(fp32_copy: the fast one-GPU step), an int16 residual (bf16_exact) or "
+                                      "stochastic rounding (bf16_stochastic)", _master_modes)
+    fused_backward: bool = opt(False, "update each parameter in its gradient hook and free the gradient at once")
+    blocks_to_swap: int = opt(0, "keep the last N blocks' weights on the host, streamed to the GPU one block "
+                                 "ahead (one process, --plugin ddp)")
+    ema_decay: float = opt(0.9999, "EMA of the weights, updated every step (starts as a copy)")
+    global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
+    num_workers: int = opt(4, "DataLoader worker processes per rank")
+    log_every: int = opt(50, "steps between log lines (loss, lr, img/s, MFU)")
+    ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)")
+    keep_last: int = opt(3, "checkpoints kept; older ones are deleted")
+    outputs: str = opt("outputs", "runs go to <outputs>/NNN-<model>/")
+    load: str | None = opt(None, "resume: a checkpoint folder, or latest (newest complete one under --outputs)")
+    plugin: str = opt("ddp", "how the model is made data-parallel (see the README's plugin table)", _plugins)
+    mixed_precision: str = opt("fp32", "compute dtype; fp16 adds dynamic loss scaling", _precisions)
+    tf32: bool = opt(True, "allow TF32 matmuls and convolutions on NVIDIA GPUs in fp32 compute (the published "
+                           "DiT recipe's setting); false: exact fp32")
+    dp_replicate: int = opt(1, "--plugin hsdp: replica groups (shards within, replicas across)")
+    grad_checkpoint: int = opt(0, "activation checkpointing: 0 off, 1 every block, k every k-th block")
+    compile: bool = opt(False, "torch.compile each block")
+    enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate and gated residual")
+    enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
+    enable_flashattn: bool = opt(False, "FlashAttention (flash-attn 3 or 2 when installed), else SDPA")
+    sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks; 1: off")
+    sequence_parallel_type: str = opt("auto", "auto picks the smaller communication volume: fastseq at 2 "
+                                              "ranks, ulysses above", _sp_kinds)
 
 
 @dataclass
 class SampleConfig:
-    ckpt: str | None = None  # EMA export (.safetensors), training checkpoint dir, official DiT .pt, or "latest"
-    outputs: str = "outputs"  # where "latest" looks (train.py's --outputs)
-    model: str | None = None  # defaults come from the checkpoint's config.yaml when it has one
-    image_size: int | None = None
-    num_classes: int | None = None
-    vae: str | None = None
-    learn_sigma: bool | None = None
-    in_channels: int | None = None
-    cfg_scale: float = 4.0
-    num_sampling_steps: int = 250
-    sampler: str = "ddpm"  # "ddpm" or "ddim"
-    ddim_eta: float = 0.0
-    seed: int = 0
-    class_labels: list[int] = field(default_factory=list)  # empty: cycle through all classes
-    num_samples: int = 0  # 0: one per class label given (or per class)
-    batch_size: int = 32  # per process
-    out: str = "samples"
-    npz: bool = False
-    mixed_precision: str = "fp32"
-    enable_flashattn: bool = False
-    enable_modulate_kernel: bool = False
-    enable_layernorm_kernel: bool = False
-    sequence_parallel_size: int = 1
-    sequence_parallel_type: str = "auto"
+    SECTIONS = {"ckpt": "checkpoint and model", "cfg_scale": "sampling", "out": "output",
+                "mixed_precision": "speed and parallelism"}
+    ckpt: str | None = opt(None, "EMA export (.safetensors), training checkpoint folder, official DiT .pt, "
+                                 "diffusers DiT folder, or latest (newest checkpoint under --outputs)")
+    outputs: str = opt("outputs", "where --ckpt latest looks (train.py's --outputs)")
+    model: str | None = opt(None, "default: the checkpoint's", _models)
+    image_size: int | None = opt(None, "default: the checkpoint's")
+    num_classes: int | None = opt(None, "default: the checkpoint's")
+    vae: str | None = opt(None, "default: the checkpoint's (none: the model's own space, no decoding)")
+    learn_sigma: bool | None = opt(None, "default: the checkpoint's")
+    in_channels: int | None = opt(None, "pixel-space channels when nothing says (default 1 for digits, else 3)")
+    cfg_scale: float = opt(4.0, "classifier-free guidance scale; 1: off")
+    num_sampling_steps: int = opt(250, "denoising steps")
+    sampler: str = opt("ddpm", "ddpm (ancestral) or ddim", _samplers)
+    ddim_eta: float = opt(0.0, "DDIM noise; 0: deterministic")
+    seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
+    class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
+    num_samples: int = opt(0, "0: one per class label (or class)")
+    batch_size: int = opt(32, "per process")
+    out: str = opt("samples", "output folder")
+    npz: bool = opt(False, "also write samples.npz (uint8 [N, H, W, 3]) for FID tools")
+    mixed_precision: str = opt("fp32", "compute dtype (autocast)", _precisions)
+    enable_flashattn: bool = opt(False, "FlashAttention when installed, else SDPA")
+    enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate")
+    enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
+    sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun)")
+    sequence_parallel_type: str = opt("auto", "fastseq, ulysses, or auto (by group size)", _sp_kinds)
+
+
+@dataclass
+class PreprocessConfig:
+    SECTIONS = {"family": "data", "out": "cache"}
+    family: str = opt("dit", "the model family whose data and encoders to cache", _families)
+    dataset: str = opt("folder", "the images to encode (not latents)", _datasets)
+    data_path: str | None = opt(None, "the class-folder root")
+    image_size: int = opt(256, "pixels; a multiple of the VAE's downsampling")
+    vae: str = opt("stabilityai/sd-vae-ft-ema", "a diffusers AutoencoderKL folder or hub id")
+    vae_scale: float | None = opt(None, "recorded in the manifest for training; default: the family's")
+    out: str | None = opt(None, "the cache folder to write (required)")
+    batch_size: int = opt(64, "images per encoder call, per process")
+    flip_both: bool = opt(False, "also cache each image's horizontal flip")
+    dtype: str = opt("float32", "storage of the posterior mean and std", _cache_dtypes)
+    shard_size: int = opt(8192, "images per shard file")
+    num_workers: int = opt(4, "DataLoader worker processes per rank")
+    overwrite: bool = opt(False, "replace an existing cache folder")
 
 
 def _str2bool(v: str) -> bool:
@@ -99,20 +198,49 @@ def _str2bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {v!r}")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstring's layout; appends "(default: X)" where a default is set; never breaks a
+    line inside a hyphenated name (DiT-XL/2)."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, [], argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One --flag per field; bools take an optional value (`--compile` or `--compile false`)."""
-    hints = typing.get_type_hints(cls)
+    """One --flag per field, grouped by the class's SECTIONS; bools take an optional value (`--compile` or
+    `--compile false`); long lists of choices are shown in the help instead of the usage line."""
+    hints, sections, group = typing.get_type_hints(cls), getattr(cls, "SECTIONS", {}), parser
     for f in dataclasses.fields(cls):
+        if f.name in sections:
+            group = parser.add_argument_group(sections[f.name])
         hint, default = hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kind = hint
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # "X | None" -> X
             kind = next(a for a in typing.get_args(hint) if a is not type(None))
+        kw = {"default": default, "help": f.metadata.get("help", "")}
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]()
+            if len(kw["choices"]) > 8:
+                kw["metavar"] = "NAME"
+                kw["help"] += "; one of: " + ", ".join(kw["choices"])
         if kind is bool:
-            parser.add_argument(f"--{f.name}", type=_str2bool, nargs="?", const=True, default=default)
+            group.add_argument(f"--{f.name}", type=_str2bool, nargs="?", const=True, metavar="BOOL", **kw)
         elif typing.get_origin(kind) is list:
-            parser.add_argument(f"--{f.name}", type=typing.get_args(kind)[0], nargs="*", default=default)
+            group.add_argument(f"--{f.name}", type=typing.get_args(kind)[0], nargs="*", **kw)
         else:
-            parser.add_argument(f"--{f.name}", type=kind, default=default)
+            group.add_argument(f"--{f.name}", type=kind, **kw)
+
+
+def build_parser(cls, description: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    add_arguments(parser, cls)
+    return parser
 
 
 def from_args(cls, args: argparse.Namespace):

@@ -161,7 +161,7 @@ def test_sample_py_loads_a_diffusers_folder(tmp_path):
     peer.save_pretrained(tmp_path / "dit")
     # no VAE offline: sample its 8x8 latent space directly (the folder alone implies sd-vae-ft-ema at 64 px)
     cfg = SampleConfig(ckpt=str(tmp_path / "dit"), vae="none", image_size=8, in_channels=4)
-    model, vae, settings = load_model(cfg, torch.device("cpu"))
-    assert vae is None and settings["model"] == "DiT-debug" and settings["num_classes"] == 10
+    loaded = load_model(cfg, torch.device("cpu"))
+    assert loaded.encoders.vae is None and loaded.cfg.model == "DiT-debug" and loaded.cfg.num_classes == 10
     x, t, y = inputs()
-    torch.testing.assert_close(model(x, t, y), ours(x, t, y), atol=0, rtol=0)
+    torch.testing.assert_close(loaded.model(x, t, y), ours(x, t, y), atol=0, rtol=0)

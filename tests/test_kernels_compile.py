@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # conftest does this too; kept for running th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 from opendit.kernels import triton_norm, triton_pointwise  # noqa: E402
-from opendit.models.dit import DiTBlock  # noqa: E402
+from opendit.models.blocks import AdaLNZeroBlock  # noqa: E402
 
 from tests.test_kernels import DEVICE, FWD_TOL, GRAD_TOL  # noqa: E402  (the same device and bounds)
 
@@ -48,7 +48,7 @@ def test_pointwise_ops_pass_opcheck():
 
 def _block(kernels_on: bool):
     torch.manual_seed(0)
-    blk = DiTBlock(64, 4).to(DEVICE)
+    blk = AdaLNZeroBlock(64, 4).to(DEVICE)
     for p in blk.adaLN_modulation.parameters():  # adaLN-Zero starts at zero: give the modulation a signal
         torch.nn.init.normal_(p, std=0.1)
     for m in blk.modules():

@@ -63,7 +63,7 @@ def test_training_on_cache_matches_training_on_the_fly(cache, tmp_path):
     path, vae = cache
     common = dict(image_size=32, max_steps=3, batch_size=16)
     trainer, cached = run_trainer(tiny_cfg(tmp_path / "c", dataset="latents", data_path=path, **common))
-    assert trainer.vae is None and trainer.cfg.vae == vae  # VAE not run, but named for sampling
+    assert trainer.encoders.vae is None and trainer.cfg.vae == vae  # VAE not run, but named for sampling
     assert (trainer.model.input_size, trainer.model.in_channels) == (4, 4)
     _, fly = run_trainer(tiny_cfg(tmp_path / "f", vae=vae, **common))
     assert all(np.isfinite(cached)) and len(cached) == 3
@@ -72,9 +72,8 @@ def test_training_on_cache_matches_training_on_the_fly(cache, tmp_path):
     from opendit.config import SampleConfig
     from opendit.inference import load_model
 
-    model, loaded_vae, settings = load_model(SampleConfig(ckpt="latest", outputs=str(tmp_path / "c")),
-                                             torch.device("cpu"))
-    assert loaded_vae is not None and settings["vae"] == vae and model.in_channels == 4  # sample.py decodes
+    loaded = load_model(SampleConfig(ckpt="latest", outputs=str(tmp_path / "c")), torch.device("cpu"))
+    assert loaded.encoders.vae is not None and loaded.cfg.vae == vae and loaded.model.in_channels == 4  # decodes
 
 
 def test_cache_flags_must_agree(cache, tmp_path):

@@ -93,7 +93,7 @@ def _train(precision, steps=6, compile=None, kernels=False, attn="sdpa", batch=4
     losses = []
     for i in range(steps):
         torch.manual_seed(100 + i)  # both runs draw the same timesteps, noise and label drops
-        losses.append(step(x, y).item())
+        losses.append(step(x, {"y": y}).item())
     if precision == "bf16_master":
         final = {n: step.optimizer.state[p]["master"] for n, p in model.named_parameters() if p.requires_grad}
         assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad)
@@ -148,7 +148,7 @@ def test_fast_step_on_cuda_inductor_kernels_flash_tracks_eager():
         losses = []
         for i in range(4):
             torch.manual_seed(100 + i)
-            losses.append(step(x, y).item())
+            losses.append(step(x, {"y": y}).item())
         return torch.tensor(losses)
 
     torch.testing.assert_close(run("blocks"), run(None), rtol=1e-2, atol=0)

@@ -86,7 +86,7 @@ def save_tiny_vae(folder):
 
 def test_vae_image_size_must_be_multiple_of_its_downsampling_times_patch(tmp_path):
     from opendit.encoders import load_vae
-    from opendit.training.objective import latent_geometry
+    from opendit.families.image import latent_geometry
 
     vae = load_vae(save_tiny_vae(tmp_path / "vae"))
     assert latent_geometry(256, vae, 3, 2) == (32, 4)
@@ -98,16 +98,17 @@ def test_vae_image_size_must_be_multiple_of_its_downsampling_times_patch(tmp_pat
 def test_latent_training_then_sampling_through_a_local_vae(tmp_path):
     """--vae <local folder>: digits become RGB, the DiT trains on 4x4x4 latents, samples decode to 32px RGB."""
     from opendit.config import SampleConfig
-    from opendit.inference import load_model, make_diffusion, sample_batch
+    from opendit.inference import load_model
 
     vae_dir = save_tiny_vae(tmp_path / "vae")
     trainer, losses = run_trainer(tiny_cfg(tmp_path / "out", image_size=32, vae=vae_dir, max_steps=3))
     assert trainer.dataset.channels == 3 and all(np.isfinite(losses))
     cfg = SampleConfig(ckpt="latest", outputs=str(tmp_path / "out"), num_sampling_steps=3, cfg_scale=2.0)
-    model, vae, settings = load_model(cfg, torch.device("cpu"))
-    assert (model.input_size, model.in_channels, settings["vae"]) == (4, 4, vae_dir)
-    images = sample_batch(model, vae, make_diffusion(cfg, True), range(0, 2), [0, 1], cfg, settings,
-                          torch.device("cpu"))
+    loaded = load_model(cfg, torch.device("cpu"))
+    assert (loaded.model.input_size, loaded.model.in_channels, loaded.cfg.vae) == (4, 4, vae_dir)
+    family = loaded.family
+    images = family.sample_batch(loaded, family.make_sampler(cfg, loaded.cfg), range(0, 2), [0, 1], cfg,
+                                 torch.device("cpu"))
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
 
 

@@ -9,6 +9,8 @@ variance, hybrid MSE + VLB loss). Typical use:
     sampler = create_diffusion("250")                   # or "ddim50" + ddim_sample_loop
     z = sampler.p_sample_loop(model.forward_with_cfg, z.shape, z, dict(y=y, cfg_scale=4.0))
 """
+import torch
+
 from .gaussian import GaussianDiffusion
 from .losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from .respace import SpacedDiffusion, space_timesteps
@@ -45,8 +47,31 @@ def create_diffusion(timestep_respacing="", *, noise_schedule="linear", learn_si
         model_var_type=var_type, loss_type=loss_type)
 
 
+SAMPLERS = ("ddpm", "ddim")  # ancestral DDPM (the default) and DDIM
+
+
+class GaussianSampler:
+    """DDPM or DDIM sampling, in `steps` respaced steps, of a model trained with create_diffusion().
+
+    Call: sampler(model_fn, z, model_kwargs, device, generator) -> x_0 of z's shape, starting from z = x_T.
+    """
+
+    def __init__(self, name: str = "ddpm", steps: int = 250, learn_sigma: bool = True, eta: float = 0.0):
+        if name not in SAMPLERS:
+            raise ValueError(f"--sampler {name!r}: valid choices are {', '.join(SAMPLERS)}")
+        self.name, self.steps, self.eta = name, steps, eta
+        self.diffusion = create_diffusion(f"ddim{steps}" if name == "ddim" else str(steps), learn_sigma=learn_sigma)
+
+    def __call__(self, model_fn, z, model_kwargs, device=None, generator=None, progress=False) -> torch.Tensor:
+        if self.name == "ddpm":
+            return self.diffusion.p_sample_loop(model_fn, z.shape, z, model_kwargs, device=device,
+                                                generator=generator, progress=progress)
+        return self.diffusion.ddim_sample_loop(model_fn, z.shape, z, model_kwargs, device=device, generator=generator,
+                                               eta=self.eta, progress=progress)
+
+
 __all__ = [
-    "create_diffusion", "GaussianDiffusion", "SpacedDiffusion", "space_timesteps", "get_named_beta_schedule",
+    "SAMPLERS", "GaussianSampler", "create_diffusion", "GaussianDiffusion", "SpacedDiffusion", "space_timesteps", "get_named_beta_schedule",
     "ModelMeanType", "ModelVarType", "LossType", "normal_kl", "discretized_gaussian_log_likelihood",
     "mean_flat", "randn",
 ]

@@ -207,11 +207,10 @@ def _config_to_kwargs(config: dict, folder: str) -> dict:
 
 def _registry_name(kwargs: dict) -> str | None:
     """The registered name whose (depth, hidden, heads, patch) match, e.g. "DiT-XL/2"; None when none does."""
-    from opendit.models import MODELS
+    from opendit.families.dit import DIT_MODELS
 
-    for name, ctor in MODELS.items():
-        kw = getattr(ctor, "keywords", {})
-        if all(kw.get(k) == kwargs[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")):
+    for name, spec in DIT_MODELS.items():
+        if all(spec.arch.get(k) == kwargs[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")):
             return name
     return None
 

@@ -5,59 +5,12 @@ state_dict keys and shapes equal the official release, so DiT-XL-2-256x256.pt lo
 import torch
 import torch.nn as nn
 
-from opendit import kernels
-from opendit.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
+from opendit.models.layers import LabelEmbedder, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import sincos_2d
-from opendit.parallel import SequenceParallel
 
 
-class AdaLNNorm(nn.Module):
-    """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""
-
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.use_modulate_kernel = False
-        self.use_layernorm_kernel = False
-
-    def forward(self, x, shift, scale):
-        if self.use_modulate_kernel:
-            return kernels.layernorm_modulate(x, shift, scale, eps=self.eps, use_kernel=True)
-        x = kernels.layer_norm(x, eps=self.eps, use_kernel=self.use_layernorm_kernel)
-        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-
-
-class DiTBlock(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
-        super().__init__()
-        self.norm1 = AdaLNNorm()
-        self.attn = Attention(hidden_size, num_heads, qkv_bias=True)
-        self.norm2 = AdaLNNorm()
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
-
-    def forward(self, x, c):
-        """x [B, N, D] tokens (N may be this rank's chunk under sequence parallelism); c [B, D] condition."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        fused = self.norm1.use_modulate_kernel
-        x = kernels.gated_residual(x, gate_msa, self.attn(self.norm1(x, shift_msa, scale_msa)), use_kernel=fused)
-        x = kernels.gated_residual(x, gate_mlp, self.mlp(self.norm2(x, shift_mlp, scale_mlp)), use_kernel=fused)
-        return x
-
-
-class FinalLayer(nn.Module):
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
-        super().__init__()
-        self.norm_final = AdaLNNorm()
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
-
-    def forward(self, x, c):
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
-        return self.linear(self.norm_final(x, shift, scale))
-
-
-class DiT(nn.Module):
+class DiT(SwitchesMixin, nn.Module):
     # Attribute names of the nn.ModuleLists holding repeated blocks; the booster wraps these one by one.
     _block_lists = ("blocks",)
 
@@ -78,9 +31,8 @@ class DiT(nn.Module):
         num_patches = (input_size // patch_size) ** 2
         # A frozen parameter (not a buffer) so the key matches the official checkpoint.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
-        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.ModuleList([AdaLNZeroBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
-        self.sequence_parallel = None  # an opendit.parallel.SequenceParallel hook when the sequence is split
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -100,30 +52,8 @@ class DiT(nn.Module):
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         for block in self.blocks:  # adaLN-Zero: every block starts as the identity
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.linear.weight)
-        nn.init.zeros_(self.final_layer.linear.bias)
-
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
-        """Switch the fused paths; the math stays the same (tests compare both)."""
-        for m in self.modules():
-            if isinstance(m, AdaLNNorm):
-                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
-            elif isinstance(m, Attention):
-                m.attn_backend = attn_backend
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
-        """Split every sample's tokens over the ranks of `group` ("fastseq", "ulysses" or "auto"); None turns
-        it off. Every rank of the group must get the same x, t, y (and noise). Returns the hook."""
-        sp = None if group is None else SequenceParallel(group, kind, counter)
-        self.sequence_parallel = sp
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.sequence_parallel = sp
-        return sp
+            block.zero_init()
+        self.final_layer.zero_init()
 
     def unpatchify(self, x):
         """[B, N, p*p*C] -> [B, C, H, W]."""

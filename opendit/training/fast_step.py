@@ -40,8 +40,9 @@ def compile_model(model: nn.Module, target: str | None, backend: str = "inductor
 class TrainStep:
     """loss -> backward -> (clip) -> optimizer step, for one batch on one device.
 
-    loss_fn(model, x, y) -> scalar loss, e.g. DiffusionObjective().loss. The model is converted in place
-    (dtype, input/output casts, compile). Call: step(x, y) -> the detached loss (no host sync).
+    loss_fn(model, x, cond) -> scalar loss, e.g. DiffusionObjective().loss (cond: the model's keyword inputs,
+    {"y": labels} for DiT). The model is converted in place (dtype, input/output casts, compile).
+    Call: step(x, cond) -> the detached loss (no host sync).
     """
 
     def __init__(self, model: nn.Module, loss_fn, precision: str = "bf16_master", lr: float = 1e-4,
@@ -65,12 +66,12 @@ class TrainStep:
         compile_model(model, compile, compile_backend, compile_mode)
         self.cuda_graphs = compile is not None and compile_mode is not None and "reduce-overhead" in compile_mode
 
-    def __call__(self, x, y) -> torch.Tensor:
+    def __call__(self, x, cond: dict) -> torch.Tensor:
         if self.cuda_graphs:  # a new iteration: graph outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.precision == "autocast_bf16"):
-            loss = self.loss_fn(self.model, x, y)
+            loss = self.loss_fn(self.model, x, cond)
         loss.backward()
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)

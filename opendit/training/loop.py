@@ -1,8 +1,7 @@
-"""The training loop in three levels: `train` (build, resume, cadence), `train_step` (accumulation, clipping,
-step, EMA) and the objective's `loss` (what one micro-batch costs)."""
-import dataclasses
+"""The training loop in three levels: `train` (resume, cadence), `train_step` (accumulation, clipping, step,
+EMA) and the objective's `loss` (what one micro-batch costs). Everything model-specific comes from the model
+family of --model (opendit.families): data, encoders, model, objective and FLOP count."""
 import logging
-import os
 import random
 from pathlib import Path
 
@@ -12,18 +11,16 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
+from opendit.booster.precision import set_tf32
 from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
                                 rng_state, save_checkpoint, set_rng_state)
-from opendit.data import build_dataset, read_manifest
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
-from opendit.encoders.vae import load_vae
+from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
-from opendit.models import build_model, model_spec
 from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
-from opendit.perf import MFUMeter, dit_train_flops_per_image
-from opendit.training.objective import DiffusionObjective, latent_geometry
+from opendit.perf import MFUMeter
 from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
                                         prepare_boosted_optimizer, validate_optimizer)
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
@@ -44,52 +41,38 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def settings_from_cache(cfg: cfglib.TrainConfig) -> cfglib.TrainConfig:
-    """--dataset latents: image size, VAE, scale and classes come from the cache's manifest. A value left at
-    its default is taken from it; one given that disagrees is an error (the cache would not match it)."""
-    manifest, defaults = read_manifest(cfg.data_path), cfglib.TrainConfig()
-    updates = {}
-    for key, flag in (("image_size", "image_size"), ("vae", "vae"), ("vae_scale", "vae_scale")):
-        given, cached = getattr(cfg, flag), manifest[key]
-        if given == getattr(defaults, flag) or given == cached or (key == "vae" and given.lower() == "none"):
-            updates[flag] = cached
-        elif not (key == "vae" and os.path.realpath(given) == os.path.realpath(cached)):
-            raise ValueError(f"--{flag} {given} disagrees with the latent cache {cfg.data_path!r}, built with "
-                             f"{key}={cached}; pass --{flag} {cached} or leave it out, or rebuild the cache")
-    if cfg.num_classes == defaults.num_classes:
-        updates["num_classes"] = manifest["num_classes"]
-    elif cfg.num_classes < manifest["num_classes"]:
-        raise ValueError(f"--num_classes {cfg.num_classes} is fewer than the cache's {manifest['num_classes']} classes")
-    # keeps cfg.vae = the cache's VAE, so config.yaml tells sample.py which VAE decodes the samples
-    return dataclasses.replace(cfg, **updates)
-
-
-def build_dit(cfg, vae, data_channels: int, device, latent_shape=None):
-    """latent_shape (C, h, w): the model input of cached latents (no VAE loaded); else from image_size and vae."""
-    patch = model_spec(cfg.model).keywords["patch_size"]
-    if latent_shape is not None:
-        in_channels, input_size = latent_shape[0], latent_shape[1]
-        if input_size % patch:
-            raise ValueError(f"cached latents of size {input_size} are not a multiple of {cfg.model}'s patch size "
-                             f"{patch}; pick a model with a smaller patch or cache larger images")
-    else:
-        input_size, in_channels = latent_geometry(cfg.image_size, vae, data_channels, patch)
-    model = build_model(cfg.model, input_size=input_size, in_channels=in_channels, num_classes=cfg.num_classes,
-                        learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
-    configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
-    return model
+def micro_batches(x: torch.Tensor, cond: dict, n: int) -> list[tuple[torch.Tensor, dict]]:
+    """Split a batch (x [B, ...], cond {name: [B, ...]}) into n micro-batches along the batch dim."""
+    parts = {k: v.chunk(n) for k, v in cond.items()}
+    return [(xm, {k: v[i] for k, v in parts.items()}) for i, xm in enumerate(x.chunk(n))]
 
 
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
-        cached = cfg.dataset == "latents"
-        if cached:
-            cfg = settings_from_cache(cfg)
-        self.cfg = cfg
+        self.family = family_of(cfg.model)
+        cfg = self.family.resolve_config(cfg)
         self.dist = init_distributed()
         setup_logging(self.dist.rank)
-        # every impossible combination fails here, before any data or weights are touched
-        self.booster = Booster(build_plugin(
+        set_tf32(self.dist.device, cfg.tf32)
+        self.booster = self._validated_booster(cfg)  # every impossible combination fails before any work
+        # ranks of one sequence-parallel group draw the same noise, timesteps and label drops
+        seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
+        self.resume_from = self._resolve_resume(cfg)
+        self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
+        self.dataset, self.cfg = self.family.load_data(cfg, self.encoders)  # settings the data decides
+        self.run_dir = self._make_run_dir()
+        self.objective = self.family.objective(self.cfg, self.encoders)
+        self._boost(self._build_model())
+        self.step = 0
+        if self.resume_from is not None:
+            self._resume()
+        # from the epoch's start, not from a resumed position (len(loader) counts what is left of this epoch)
+        steps_per_epoch = self.loader.sampler.epoch_samples(0) // self.cfg.batch_size
+        self.total_steps = self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
+
+    # ---- set-up helpers -----------------------------------------------------------------------------------------
+    def _validated_booster(self, cfg) -> Booster:
+        booster = Booster(build_plugin(
             cfg.plugin, mixed_precision=cfg.mixed_precision, dp_replicate=cfg.dp_replicate,
             sp_size=cfg.sequence_parallel_size, grad_checkpoint=cfg.grad_checkpoint, compile=cfg.compile,
             device=self.dist.device, blocks_to_swap=cfg.blocks_to_swap))
@@ -99,32 +82,33 @@ class Trainer:
                            mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
                            blocks_to_swap=cfg.blocks_to_swap)
         self.sp_kind = validate_sp(self.dist.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
-                                   model_spec(cfg.model).keywords["num_heads"])
-        if cfg.grad_accum < 1 or cfg.batch_size % (self.booster.dp_size * cfg.grad_accum):
+                                   self.family.models[cfg.model].num_heads)
+        if cfg.grad_accum < 1 or cfg.batch_size % (booster.dp_size * cfg.grad_accum):
             raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
-                             f"{self.booster.dp_size} x --grad_accum {cfg.grad_accum}")
-        # ranks of one sequence-parallel group draw the same noise, timesteps and label drops
-        seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
-        self.resume_from = self._resolve_resume()
-        self.run_dir = self._make_run_dir()
-        # cached latents skip the VAE (cfg.vae still names it, for sampling)
-        self.vae = None if cached else load_vae(cfg.vae, self.dist.device)
-        # the built-in digits are grey; a VAE wants RGB
-        rgb = {"channels": 3} if cfg.dataset == "digits" and self.vae is not None else {}
-        kw = {"seed": cfg.global_seed} if cached else rgb
-        self.dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **kw)
-        self.objective = DiffusionObjective(self.vae, cfg.vae_scale, cfg.learn_sigma)
-        with torch.random.fork_rng(devices=[]):  # every rank builds the same weights (FSDP shards each rank's own)
+                             f"{booster.dp_size} x --grad_accum {cfg.grad_accum}")
+        return booster
+
+    def _build_model(self) -> torch.nn.Module:
+        """The family's model, the same weights on every rank (FSDP shards each rank's own copy)."""
+        cfg = self.cfg
+        shape = self.family.latent_shape(cfg, self.encoders, self.dataset)
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.global_seed)
-            model = build_dit(cfg, self.vae, getattr(self.dataset, "channels", 3), self.dist.device,
-                              latent_shape=getattr(self.dataset, "latent_shape", None))
+            model = self.family.build_model(cfg, shape)
+        check_model_contract(model, cfg.model)
+        configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn,
+                          self.dist.device)
         if self.booster.sp_group is not None:
             model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
-        logger.info("%s: %.1fM parameters; attention backend %s", cfg.model,
-                    sum(p.numel() for p in model.parameters()) / 1e6, model.blocks[0].attn.attn_backend)
-        self.mfu = MFUMeter(dit_train_flops_per_image(model), world_size=self.dist.world_size,
+        logger.info("%s (family %s): %.1fM parameters, input %s per sample", cfg.model, self.family.name,
+                    sum(p.numel() for p in model.parameters()) / 1e6, "x".join(map(str, shape)))
+        self.mfu = MFUMeter(self.family.train_flops_per_sample(model), world_size=self.dist.world_size,
                             device=self.dist.device)
+        return model
+
+    def _boost(self, model: torch.nn.Module) -> None:
+        cfg = self.cfg
         cast_for_master_weights(model, cfg.master_weights)
         optimizer = self._build_optimizer(model)
         warmup = max(cfg.warmup_steps, 0)
@@ -139,21 +123,17 @@ class Trainer:
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
             logger.info("optimizer step: torch's fused AdamW kernel over all parameters at once (multi-tensor)")
         self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
-        self.step = 0
-        if self.resume_from is not None:
-            self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
-                                               lr_scheduler=self.scheduler)
-            self.loader.load_state_dict(extra["data"])
-            if self.booster.scaler is not None and "loss_scaler" in extra:
-                self.booster.scaler.load_state_dict(extra["loss_scaler"])
-            if self.booster.sp_group is not None:  # one SP group draws the same noise, also after a re-layout
-                sync_rng(self.booster.sp_group)
-            logger.info("resumed from %s at step %d", self.resume_from, self.step)
-        # from the epoch's start, not from a resumed position (len(loader) counts what is left of this epoch)
-        steps_per_epoch = self.loader.sampler.epoch_samples(0) // cfg.batch_size
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
 
-    # ---- set-up helpers -----------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
+                                           lr_scheduler=self.scheduler)
+        self.loader.load_state_dict(extra["data"])
+        if self.booster.scaler is not None and "loss_scaler" in extra:
+            self.booster.scaler.load_state_dict(extra["loss_scaler"])
+        if self.booster.sp_group is not None:  # one SP group draws the same noise, also after a re-layout
+            sync_rng(self.booster.sp_group)
+        logger.info("resumed from %s at step %d", self.resume_from, self.step)
+
     def _build_optimizer(self, model) -> torch.optim.Optimizer:
         cfg = self.cfg
         # torch AdamW's fused kernel needs every parameter on the GPU at step time
@@ -165,12 +145,12 @@ class Trainer:
                     f" ({self.optim_opts})" if self.optim_opts.lean else "")
         return optimizer
 
-    def _resolve_resume(self):
-        if not self.cfg.load:
+    def _resolve_resume(self, cfg):
+        if not cfg.load:
             return None
         path = None
         if self.dist.rank == 0:
-            path = latest_run_checkpoint(self.cfg.outputs) if self.cfg.load == "latest" else resolve_checkpoint(self.cfg.load)
+            path = latest_run_checkpoint(cfg.outputs) if cfg.load == "latest" else resolve_checkpoint(cfg.load)
         return broadcast_object(path)
 
     def _make_run_dir(self) -> Path:
@@ -226,12 +206,12 @@ class Trainer:
         """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm), both
         device tensors (reading them waits for the step; the norm is None without --grad_clip)."""
         cfg, booster = self.cfg, self.booster
-        x, y = self.objective.prepare(batch, self.dist.device)
+        x, cond = self.objective.prepare(batch, self.dist.device)
         total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+        for i, (xm, cm) in enumerate(micro_batches(x, cond, cfg.grad_accum)):
             last = i == cfg.grad_accum - 1
             with booster.no_sync(self.model, enabled=not last), booster.autocast():
-                loss = self.objective.loss(self.model, xm, ym) / cfg.grad_accum
+                loss = self.objective.loss(self.model, xm, cm) / cfg.grad_accum
                 booster.backward(loss, self.optimizer)
             total += loss.detach()
         # never under --fused_backward (refused at start): its gradients are gone, each freed after its update

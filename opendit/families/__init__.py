@@ -1,0 +1,71 @@
+"""Model families and the one registry of model names (see opendit.families.base for the interface).
+
+Built in: "dit" (image DiT). A family defined elsewhere registers itself with `register_family(family)` when
+its module is imported; name such modules in the environment variable OPENDIT_FAMILIES (comma-separated,
+e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py / sample.py / preprocess.py know its models.
+"""
+import importlib
+import os
+
+from opendit.families.base import (DiffusionModel, LoadedModel, ModelFamily, ModelSpec, Objective,
+                                   check_model_contract)
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add (or replace, by name) a family; its model names must not belong to another family."""
+    if not family.name or not family.models:
+        raise ValueError(f"{type(family).__name__} needs a name and at least one model in .models")
+    taken = {m: f.name for f in FAMILIES.values() if f.name != family.name for m in f.models}
+    clash = sorted(set(family.models) & set(taken))
+    if clash:
+        raise ValueError(f"model names {clash} of family {family.name!r} already belong to family "
+                         f"{taken[clash[0]]!r}; rename them")
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; valid: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def all_models() -> dict[str, ModelSpec]:
+    return {name: spec for family in FAMILIES.values() for name, spec in family.models.items()}
+
+
+def model_spec(name: str) -> ModelSpec:
+    models = all_models()
+    if name not in models:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(models)}")
+    return models[name]
+
+
+def family_of(model_name: str) -> ModelFamily:
+    """The family that registers `model_name` (an unknown name is an error listing the valid ones)."""
+    return FAMILIES[model_spec(model_name).family]
+
+
+def all_datasets() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(d for f in FAMILIES.values() for d in f.datasets))
+
+
+def all_samplers() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(s for f in FAMILIES.values() for s in f.samplers))
+
+
+def _register_builtin() -> None:
+    from opendit.families.dit import DiTFamily
+
+    register_family(DiTFamily())
+    for module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
+        importlib.import_module(module)  # registers itself
+
+
+_register_builtin()
+
+__all__ = ["FAMILIES", "DiffusionModel", "LoadedModel", "ModelFamily", "ModelSpec", "Objective", "all_datasets",
+           "all_models", "all_samplers", "check_model_contract", "family_of", "get_family", "model_spec",
+           "register_family"]

@@ -1,0 +1,234 @@
+"""What every image diffusion family shares: images (digits, class folders, cached VAE latents) through a
+frozen VAE, Gaussian diffusion (IDDPM) training, DDPM / DDIM sampling with classifier-free guidance on class
+labels, and PNG / npz outputs. A family built on it (DiT, or a test's toy model) adds its registry, how its
+model is built from the latent shape, and its FLOP count.
+"""
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from opendit.booster.precision import autocast
+from opendit.data import build_dataset, read_manifest
+from opendit.diffusion import SAMPLERS, GaussianSampler
+from opendit.encoders.vae import SD_VAE_SCALE, decode, encode, load_vae, vae_geometry
+from opendit.families.base import ModelFamily
+from opendit.training.objective import DiffusionObjective
+
+
+@dataclass
+class ImageEncoders:
+    vae: torch.nn.Module | None  # None: pixel space, or training on cached latents
+
+
+def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -> tuple[int, int]:
+    """(input_size, in_channels) of the model for images of image_size through `vae` (None: pixel space);
+    a clear error when the sizes do not fit."""
+    factor, latent_channels = vae_geometry(vae)
+    if image_size <= 0 or image_size % (factor * patch_size):
+        need = "patch size" if vae is None else f"{factor} (the VAE's downsampling) x patch size"
+        raise ValueError(f"--image_size {image_size} must be a positive multiple of {need} = "
+                         f"{factor * patch_size}; e.g. {max(1, image_size // (factor * patch_size)) * factor * patch_size}")
+    return image_size // factor, (data_channels if vae is None else latent_channels)
+
+
+def settings_from_cache(cfg):
+    """--dataset latents: image size, VAE, scale and classes come from the cache's manifest. A flag left out
+    is taken from it; one given that disagrees is an error (the cache would not match it)."""
+    manifest = read_manifest(cfg.data_path)
+    updates = {}
+    for key in ("image_size", "vae", "vae_scale"):
+        given, cached = getattr(cfg, key), manifest[key]
+        if given is None or given == cached or (key == "vae" and given.lower() == "none"):
+            updates[key] = cached
+        elif not (key == "vae" and os.path.realpath(given) == os.path.realpath(cached)):
+            raise ValueError(f"--{key} {given} disagrees with the latent cache {cfg.data_path!r}, built with "
+                             f"{key}={cached}; pass --{key} {cached} or leave it out, or rebuild the cache")
+    # keeps cfg.vae = the cache's VAE, so config.yaml tells sample.py which VAE decodes the samples
+    return dataclasses.replace(cfg, **updates)
+
+
+class ImageDiffusionFamily(ModelFamily):
+    datasets = ("digits", "folder", "latents")
+    samplers = SAMPLERS
+    writes = "images/NNNNNN.png, grid.png and with --npz samples.npz (uint8 [N, H, W, 3])"
+    class_conditional = True  # False: no labels reach the model, no guidance
+    default_image_size = 16
+    default_vae_scale = SD_VAE_SCALE
+
+    def patch_size(self, cfg) -> int:
+        return self.models[cfg.model].arch["patch_size"]
+
+    # ---- configuration and data ---------------------------------------------------------------------------
+    def resolve_config(self, cfg):
+        if cfg.dataset not in self.datasets:
+            raise ValueError(f"unknown dataset {cfg.dataset!r} for {cfg.model}; valid names: {', '.join(self.datasets)}")
+        if cfg.dataset == "latents":
+            cfg = settings_from_cache(cfg)
+        return self._defaults(cfg)
+
+    def _defaults(self, cfg):
+        return dataclasses.replace(cfg, image_size=cfg.image_size or self.default_image_size,
+                                   vae_scale=self.default_vae_scale if cfg.vae_scale is None else cfg.vae_scale)
+
+    def load_encoders(self, cfg, device, training: bool) -> ImageEncoders:
+        # training on cached latents skips the VAE (cfg.vae still names it, for sampling)
+        skip = training and cfg.dataset == "latents"
+        return ImageEncoders(vae=None if skip else load_vae(cfg.vae, device))
+
+    def load_data(self, cfg, encoders: ImageEncoders):
+        if cfg.dataset == "latents":
+            kwargs = {"seed": cfg.global_seed}
+        else:  # the built-in digits are grey; a VAE wants RGB
+            kwargs = {"channels": 3} if cfg.dataset == "digits" and encoders.vae is not None else {}
+        dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **kwargs)
+        return dataset, self._resolve_classes(cfg, dataset)
+
+    def _resolve_classes(self, cfg, dataset):
+        found = dataset.num_classes
+        if cfg.num_classes is None:
+            return dataclasses.replace(cfg, num_classes=found)
+        if self.class_conditional and cfg.num_classes < found:
+            raise ValueError(f"--num_classes {cfg.num_classes} is fewer than the {found} classes of --dataset "
+                             f"{cfg.dataset}; leave it out (the data's count is used) or pass at least {found}")
+        return cfg
+
+    # ---- model ---------------------------------------------------------------------------------------------
+    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int]:
+        """(C, h, w): from a cached dataset, else from the image size, the VAE and the data's channels
+        (dataset's; else data_channels; else 1 for the grey digits, 3 for other images)."""
+        patch = self.patch_size(cfg)
+        cached = getattr(dataset, "latent_shape", None)
+        if cached is not None:
+            if cached[1] % patch:
+                raise ValueError(f"cached latents of size {cached[1]} are not a multiple of {cfg.model}'s patch "
+                                 f"size {patch}; pick a model with a smaller patch or cache larger images")
+            return tuple(cached)
+        channels = getattr(dataset, "channels", None) or data_channels or (1 if cfg.dataset == "digits" else 3)
+        size, in_channels = latent_geometry(cfg.image_size, encoders.vae, channels, patch)
+        return in_channels, size, size
+
+    def objective(self, cfg, encoders: ImageEncoders) -> DiffusionObjective:
+        return DiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, labels=self.class_conditional)
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def sampling_config(self, settings: dict, flags: dict):
+        from opendit.config import TrainConfig
+
+        merged = {**settings, **flags}
+        need = ("model", "image_size") + (("num_classes",) if self.class_conditional else ())
+        missing = [k for k in need if merged.get(k) is None]
+        if missing:
+            raise ValueError(f"cannot tell {missing} from the checkpoint; pass them as flags "
+                             f"({' '.join('--' + k for k in missing)})")
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        # a trained config is already resolved (a cache's settings included): defaults only, no data read
+        return self._defaults(TrainConfig(**{k: v for k, v in merged.items() if k in known}))
+
+    def conditions(self, sample_cfg, cfg) -> list:
+        if not self.class_conditional:
+            if sample_cfg.class_labels:
+                raise ValueError(f"--class_labels: {cfg.model} is unconditional; leave them out")
+            return [None]
+        labels = sample_cfg.class_labels or list(range(cfg.num_classes))
+        bad = [c for c in labels if not 0 <= c < cfg.num_classes]
+        if bad:
+            raise ValueError(f"--class_labels {bad} out of range 0..{cfg.num_classes - 1}")
+        return labels
+
+    def make_sampler(self, sample_cfg, cfg) -> GaussianSampler:
+        return GaussianSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, cfg.learn_sigma,
+                               eta=sample_cfg.ddim_eta)
+
+    @torch.no_grad()
+    def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
+        """Images for global indices -> uint8 [n, H, W, C]. Noise comes from a generator seeded by (seed, first
+        index), so a batch is the same on any rank."""
+        model, cfg, vae = loaded.model, loaded.cfg, loaded.encoders.vae
+        gen = torch.Generator().manual_seed(sample_cfg.seed * 1_000_003 + indices.start)
+        n = len(indices)
+        z = torch.randn(n, *loaded.latent_shape, generator=gen).to(device)
+        net, kwargs = model.forward, {}
+        if self.class_conditional:
+            y = torch.tensor([conditions[i % len(conditions)] for i in indices], device=device)
+            kwargs = {"y": y}
+            if sample_cfg.cfg_scale > 1.0:  # [cond; uncond] halves, the second with the null class
+                z = torch.cat([z, z])
+                kwargs = {"y": torch.cat([y, torch.full_like(y, cfg.num_classes)]), "cfg_scale": sample_cfg.cfg_scale}
+                net = model.forward_with_cfg
+
+        def fn(x, t, **kw):  # the sampler's math stays fp32 whatever the model's compute dtype
+            return net(x, t, **kw).float()
+        with autocast(device, sample_cfg.mixed_precision):
+            out = sampler(fn, z, kwargs, device=device, generator=gen)
+        out = out[:n].float()
+        images = decode(vae, out, scale=cfg.vae_scale) if vae is not None else out.clamp(-1, 1)
+        return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+    def writer(self, out_dir, sample_cfg, cfg) -> "ImageWriter":
+        return ImageWriter(Path(out_dir), npz=sample_cfg.npz)
+
+    # ---- caching -------------------------------------------------------------------------------------------
+    def cache_source(self, cfg, encoders: ImageEncoders):
+        """The images preprocess.py encodes: (x [3, H, W] in [-1, 1], label), no random flips."""
+        factor, _ = vae_geometry(encoders.vae)
+        if cfg.image_size % factor:
+            raise ValueError(f"--image_size {cfg.image_size} must be a multiple of the VAE's downsampling {factor}")
+        if cfg.dataset == "latents":
+            raise ValueError("--dataset latents is already a cache; encode digits or an image folder")
+        if cfg.dataset == "digits":  # grey digits become RGB for the VAE, as in training
+            return build_dataset("digits", image_size=cfg.image_size, channels=3)
+        return build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, random_flip=False)
+
+    @torch.no_grad()
+    def cache_encode(self, encoders: ImageEncoders, x: torch.Tensor) -> dict:
+        """x [B, 3, H, W] in [-1, 1] -> {"mean", "std"} float32 [B, C, h, w]: the VAE posterior, unscaled."""
+        vae = encoders.vae
+        param = next(vae.parameters())
+        posterior = vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
+        return {"mean": posterior.mean.float().cpu(), "std": posterior.std.float().cpu()}
+
+
+def save_png(image: np.ndarray, path: Path) -> None:
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
+
+
+def write_grid(paths: list[Path], out: Path, ncol: int) -> None:
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+    h, w, _ = images[0].shape
+    rows = (len(images) + ncol - 1) // ncol
+    grid = np.full((rows * (h + 2) + 2, ncol * (w + 2) + 2, 3), 255, np.uint8)
+    for i, im in enumerate(images):
+        r, c = divmod(i, ncol)
+        grid[2 + r * (h + 2): 2 + r * (h + 2) + h, 2 + c * (w + 2): 2 + c * (w + 2) + w] = im
+    Image.fromarray(grid).save(out)
+
+
+class ImageWriter:
+    """images/NNNNNN.png per sample; then grid.png (one column per condition, up to 16) and samples.npz."""
+
+    def __init__(self, out: Path, npz: bool = False):
+        self.out, self.npz = out, npz
+        (out / "images").mkdir(parents=True, exist_ok=True)
+
+    def path(self, index: int) -> Path:
+        return self.out / "images" / f"{index:06d}.png"
+
+    def write(self, index: int, image: np.ndarray) -> None:
+        save_png(image, self.path(index))
+
+    def finish(self, num: int, conditions: list) -> list[str]:
+        paths = [self.path(i) for i in range(num)]
+        ncol = min(len(conditions), 16) if len(conditions) > 1 else math.isqrt(num)
+        write_grid(paths[:256], self.out / "grid.png", ncol=max(ncol, 1))
+        written = ["grid.png", "images/"]
+        if self.npz:  # uint8 [N, H, W, 3], the layout of ADM's evaluation suite
+            arr = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+            np.savez(self.out / "samples.npz", arr_0=arr)
+            written.append("samples.npz")
+        return written

@@ -1,0 +1,93 @@
+"""adaLN-Zero transformer blocks shared by the DiT-style families (image DiT, video DiT), and the switches
+(fused kernels, sequence parallelism) every model built from opendit's layers gets. Parameter names match
+the official DiT release."""
+import torch.nn as nn
+
+from opendit import kernels
+from opendit.models.layers import Attention, Mlp
+from opendit.parallel import SequenceParallel
+
+
+class AdaLNNorm(nn.Module):
+    """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.use_modulate_kernel = False
+        self.use_layernorm_kernel = False
+
+    def forward(self, x, shift, scale):
+        if self.use_modulate_kernel:
+            return kernels.layernorm_modulate(x, shift, scale, eps=self.eps, use_kernel=True)
+        x = kernels.layer_norm(x, eps=self.eps, use_kernel=self.use_layernorm_kernel)
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class AdaLNZeroBlock(nn.Module):
+    """DiT's block: attention and MLP, each behind an adaLN-modulated norm and a gated residual."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = AdaLNNorm()
+        self.attn = Attention(hidden_size, num_heads, qkv_bias=True)
+        self.norm2 = AdaLNNorm()
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x [B, N, D] tokens (N may be this rank's chunk under sequence parallelism); c [B, D] condition."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        fused = self.norm1.use_modulate_kernel
+        x = kernels.gated_residual(x, gate_msa, self.attn(self.norm1(x, shift_msa, scale_msa)), use_kernel=fused)
+        x = kernels.gated_residual(x, gate_mlp, self.mlp(self.norm2(x, shift_mlp, scale_mlp)), use_kernel=fused)
+        return x
+
+    def zero_init(self) -> None:
+        """adaLN-Zero: the block starts as the identity."""
+        nn.init.zeros_(self.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.adaLN_modulation[-1].bias)
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm, then a linear map from tokens to patches of out_channels ([B, N, p*p*C])."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = AdaLNNorm()
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(self.norm_final(x, shift, scale))
+
+    def zero_init(self) -> None:
+        for layer in (self.adaLN_modulation[-1], self.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+
+class SwitchesMixin:
+    """`set_kernels` and `enable_sequence_parallel` (the model contract's switches) for an nn.Module built
+    from AdaLNNorm and Attention layers. The model's forward calls sp.split / sp.gather around its blocks."""
+
+    sequence_parallel = None  # the SequenceParallel hook while the sequence is split
+
+    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
+        """Switch the fused paths; the math stays the same (tests compare both)."""
+        for m in self.modules():
+            if isinstance(m, AdaLNNorm):
+                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
+            elif isinstance(m, Attention):
+                m.attn_backend = attn_backend
+
+    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
+        """Split every sample's tokens over the ranks of `group` ("fastseq", "ulysses" or "auto"); None turns
+        it off. Every rank of the group must get the same inputs (and noise). Returns the hook."""
+        sp = None if group is None else SequenceParallel(group, kind, counter)
+        self.sequence_parallel = sp
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.sequence_parallel = sp
+        return sp
