@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from opendit.booster import Booster, build_plugin  # noqa: E402
-from opendit.distributed import spawn_gloo  # noqa: E402
+from opendit.distributed import local_tensor, spawn_gloo  # noqa: E402
 from opendit.booster import parallelize as par  # noqa: E402
 from opendit.booster.precision import compute_dtype  # noqa: E402
+from opendit.ema import ShardedEMA  # noqa: E402
 from opendit.models import build_model  # noqa: E402
 
 GiB = 2 ** 30
@@ -36,11 +37,7 @@ COLUMNS = ("params", "grads", "optim", "ema")
 
 
 def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 def gathered_bytes(model: torch.nn.Module, plugin: str, dtype: torch.dtype) -> int:
@@ -83,11 +80,6 @@ def measure(plugin: str, model_name: str, model_kwargs: dict, precision: str, ma
 
 
 def ema_bytes(model, booster) -> int:
-    try:
-        from opendit.ema import ShardedEMA
-    except ImportError:  # no sharded EMA yet: count one fp32 copy of this rank's parameters
-        return sum(t.numel() * 4 for t in (p.to_local() if hasattr(p, "to_local") else p
-                                           for p in model.parameters()))
     return ShardedEMA(model, decay=0.9999, dp_group=booster.dp_mesh).local_bytes()
 
 

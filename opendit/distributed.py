@@ -1,4 +1,4 @@
-"""Process-group set-up shared by the entry scripts.
+"""Process-group set-up shared by the entry scripts, and `local_tensor`: this rank's part of a DTensor.
 
 Under torchrun (WORLD_SIZE set) this joins the job's group: NCCL for CUDA tensors plus gloo for CPU ones when
 a GPU exists, gloo otherwise. A plain `python train.py` gets a one-process gloo group, so the same code paths
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -38,6 +39,15 @@ def init_distributed() -> DistInfo:
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1, device_id=device if cuda else None)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard, or a replica), else the tensor itself.
+
+    The DTensor's own storage tensor, not `to_local()`: with grad mode on, to_local() of a parameter is the
+    output of an autograd function, and in-place updates of it (optimizer steps, master-weight rounding)
+    raise. For tensors without autograd history (gradients) both give the same storage."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def broadcast_object(obj, src: int = 0):

@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from opendit.booster.mesh import build_mesh, dp_coordinates
 from opendit.booster.plugins import Plugin
-from opendit.booster.precision import DynamicLossScaler, _local
+from opendit.booster.precision import DynamicLossScaler
 from opendit.booster import parallelize as par
+from opendit.distributed import local_tensor
 
 logger = logging.getLogger("opendit")
 
@@ -115,7 +116,7 @@ class Booster:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_kind = {}  # one multi-tensor multiply per (device, dtype)
         for p in params:
-            g = _local(p.grad)
+            g = local_tensor(p.grad)
             by_kind.setdefault((g.device, g.dtype), []).append(g)
         for (device, dtype), grads in by_kind.items():
             torch._foreach_mul_(grads, coef.to(device, dtype))
@@ -162,7 +163,7 @@ def global_grad_norm(params, norm_type: float, device: torch.device) -> torch.Te
         if hasattr(g, "device_mesh"):
             dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             key = (g.device_mesh, dims) if dims else None
-        groups.setdefault(key, []).append(_local(g))
+        groups.setdefault(key, []).append(local_tensor(g))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map
 
+from opendit.distributed import local_tensor
+
 logger = logging.getLogger("opendit")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,11 +56,6 @@ def cast_forward_io(model: torch.nn.Module, dtype: torch.dtype):
             model.register_forward_hook(cast_outputs))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank holds), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class DynamicLossScaler:
     """GradScaler's policy, over plain or DTensor gradients and any set of ranks.
 
@@ -87,7 +84,7 @@ class DynamicLossScaler:
         grads = {}
         for p in params:
             if p.grad is not None:
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
                 grads.setdefault((g.device, g.dtype), []).append(g)
         found = torch.zeros(1, device=self.device)
         for (device, _), tensors in grads.items():

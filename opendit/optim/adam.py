@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from .base import LeanOptimizer, local_tensor
+from opendit.distributed import local_tensor
+
+from .base import LeanOptimizer
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch has the fused AdamW kernel
 CHUNK_NUMEL = 1 << 26  # per multi-tensor call: bounds the transient fp32 grads / masters to 256 MiB each

@@ -11,17 +11,14 @@ with the parameter's placements and Distributed Checkpoint can save and reshard 
 """
 import torch
 
+from opendit.distributed import local_tensor
+
 from .formats import U16Format, detect_format, make_format, part_key
 from .master import MasterWeights
 from .offload import StatePlacement, pinned_empty_like
 
 SCALAR_KEYS = ("step", "mu_product")
 FORMAT_OPTIONS = ("state_dtype", "u16_block", "u16_power", "small_numel", "master_weights")
-
-
-def local_tensor(t):
-    """The rank-local tensor of a DTensor (an FSDP2 shard); plain tensors pass through."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class LeanOptimizer(torch.optim.Optimizer):
