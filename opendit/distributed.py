@@ -1,8 +1,11 @@
-"""Process-group set-up shared by the entry scripts, and `local_tensor`: this rank's part of a DTensor.
+"""Process-group set-up shared by the entry scripts, and the two ways to see through distributed wrappers.
 
 Under torchrun (WORLD_SIZE set) this joins the job's group: NCCL for CUDA tensors plus gloo for CPU ones when
 a GPU exists, gloo otherwise. A plain `python train.py` gets a one-process gloo group, so the same code paths
 (DeviceMesh, DTensor, DCP) run everywhere.
+
+`local_tensor` gives this rank's part of a DTensor; `unwrap_model` the module inside a DDP or torch.compile
+wrapper. Both import nothing from opendit, so the booster, the optimizers and the EMA can share them.
 """
 import logging
 import os
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -48,6 +53,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     output of an autograd function, and in-place updates of it (optimizer steps, master-weight rounding)
     raise. For tensors without autograd history (gradients) both give the same storage."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP and torch.compile wrappers around the root module, whose parameter names carry their
+    prefixes ("module.", "_orig_mod."). FSDP2, per-block compile and composable checkpointing change
+    modules in place and leave nothing to strip."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def broadcast_object(obj, src: int = 0):

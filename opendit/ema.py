@@ -29,20 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.nn.parallel import DistributedDataParallel
+
+from opendit.distributed import unwrap_model
 
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP and torch.compile wrappers around the root module (FSDP2 wraps in place)."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def clean_fqn(name: str) -> str:

@@ -24,7 +24,7 @@ from opendit.booster.mesh import build_mesh, dp_coordinates
 from opendit.booster.plugins import Plugin
 from opendit.booster.precision import DynamicLossScaler
 from opendit.booster import parallelize as par
-from opendit.distributed import local_tensor
+from opendit.distributed import local_tensor, unwrap_model
 
 logger = logging.getLogger("opendit")
 
@@ -59,7 +59,7 @@ class Booster:
           and not stepped yet; its param groups and options are kept and rebound to the boosted parameters.
         dataloader: its batch_size is the GLOBAL batch; the returned loader yields this data-parallel rank's
           share from a resumable sampler (shuffled iff the given loader shuffles; seeded by data_seed)."""
-        names = par.parameter_names(model)
+        names = par.parameter_names(unwrap_model(model))  # the names rebinding finds in self.unwrap(boosted)
         meta = any(p.is_meta for p in model.parameters())
         if meta and not self.plugin.sharded:
             raise ValueError(f"plugin {self.plugin.name!r} needs materialized weights, but the model is on the "
@@ -140,8 +140,9 @@ class Booster:
         return self.scaler.skipped_steps if self.scaler else 0
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The plain module: its state_dict keys equal the un-boosted model's."""
-        return self.plugin.unwrap(model)
+        """The plain module (DDP and a root torch.compile wrapper stripped): its state_dict keys equal the
+        un-boosted model's own."""
+        return unwrap_model(model)
 
     def close(self) -> None:
         """End the process group if this Booster started it."""

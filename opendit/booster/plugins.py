@@ -81,9 +81,6 @@ class Plugin:
     def no_sync(self, model: nn.Module):
         raise NotImplementedError
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DDP) else model
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(mixed_precision={self.mixed_precision!r}, dp_replicate={self.dp_replicate}, "
                 f"sp_size={self.sp_size}, grad_checkpoint={self.grad_checkpoint}, "
