@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from opendit.booster import Booster, build_plugin  # noqa: E402
 from opendit.distributed import local_tensor, spawn_gloo  # noqa: E402
 from opendit.booster import parallelize as par  # noqa: E402
-from opendit.booster.precision import compute_dtype  # noqa: E402
+from opendit.booster.precision import PRECISIONS, compute_dtype  # noqa: E402
 from opendit.ema import ShardedEMA  # noqa: E402
 from opendit.models import build_model  # noqa: E402
 
@@ -122,7 +122,7 @@ def main():
     ap.add_argument("--num_classes", type=int, default=1000)
     ap.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--plugins", nargs="+", default=["ddp", "zero2", "zero3", "hsdp", "gemini"])
-    ap.add_argument("--mixed_precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--mixed_precision", default="bf16", choices=PRECISIONS)
     ap.add_argument("--materialize", action="store_true", help="allocate the sharded tensors (needs RAM)")
     args = ap.parse_args()
     if args.image_size % 8:

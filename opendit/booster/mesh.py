@@ -13,9 +13,10 @@ read the same batch).
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from opendit.booster.precision import PRECISIONS
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
 PLUGIN_NAMES = ("ddp", "zero2", "zero3", "fsdp", "hsdp", "gemini")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def validate_parallel_config(plugin: str, world_size: int, dp_replicate: int = 1, sp_size: int = 1,

@@ -16,11 +16,12 @@ from opendit.distributed import local_tensor
 logger = logging.getLogger("opendit")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)  # the valid --mixed_precision names
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype:
     if mixed_precision not in DTYPES:
-        raise ValueError(f"unknown mixed precision {mixed_precision!r}; valid: {', '.join(DTYPES)}")
+        raise ValueError(f"unknown mixed precision {mixed_precision!r}; valid: {', '.join(PRECISIONS)}")
     return DTYPES[mixed_precision]
 
 
