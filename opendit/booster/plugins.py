@@ -22,8 +22,33 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opendit.booster import parallelize as par
-from opendit.booster.mesh import PLUGIN_NAMES, mesh_shape, shard_mesh, validate_parallel_config
-from opendit.booster.precision import cast_forward_io, compute_dtype, fsdp_policy, params_in_dtype
+from opendit.booster.mesh import mesh_shape, shard_mesh
+from opendit.booster.precision import PRECISIONS, cast_forward_io, compute_dtype, fsdp_policy, params_in_dtype
+
+
+def validate_parallel_config(plugin: str, world_size: int, dp_replicate: int = 1, sp_size: int = 1,
+                             mixed_precision: str = "fp32", grad_checkpoint: int = 0) -> None:
+    """Raise ValueError naming the bad setting and the fix; call right after init_process_group."""
+    if plugin not in PLUGINS:
+        raise ValueError(f"unknown plugin {plugin!r}; valid plugins: {', '.join(PLUGINS)}")
+    if mixed_precision not in PRECISIONS:
+        raise ValueError(f"unknown mixed precision {mixed_precision!r}; valid: {', '.join(PRECISIONS)}")
+    if not isinstance(grad_checkpoint, int) or grad_checkpoint < 0:
+        raise ValueError(f"grad_checkpoint must be 0 (off), 1 (every block) or k >= 2 (every k-th block), "
+                         f"got {grad_checkpoint!r}")
+    for name, value in (("world size", world_size), ("dp_replicate", dp_replicate), ("sp_size", sp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % sp_size:
+        raise ValueError(f"sequence-parallel size {sp_size} does not divide the world size {world_size}; "
+                         f"pick --sequence_parallel_size among the divisors of {world_size}")
+    dp_size = world_size // sp_size
+    if dp_replicate > 1 and plugin != "hsdp":
+        raise ValueError(f"--dp_replicate {dp_replicate} only applies to --plugin hsdp (plugin {plugin!r} "
+                         f"has no replicate dimension); use --plugin hsdp or --dp_replicate 1")
+    if dp_size % dp_replicate:
+        raise ValueError(f"--dp_replicate {dp_replicate} does not divide the data-parallel size {dp_size} "
+                         f"(world {world_size} / sp {sp_size}); pick a divisor of {dp_size}")
 
 
 def default_device() -> torch.device:
@@ -192,9 +217,9 @@ def _check_blocks_to_swap(plugin: str, blocks_to_swap: int, compile) -> None:
                          "or guard on; drop --compile or use --blocks_to_swap 0")
 
 
+# --plugin name -> class: the one list of plugin names (validation, build_plugin, the sharded ones)
 PLUGINS = {"ddp": DDPPlugin, "zero2": Zero2Plugin, "zero3": Zero3Plugin, "fsdp": Zero3Plugin,
            "hsdp": HSDPPlugin, "gemini": GeminiPlugin}
-assert set(PLUGINS) == set(PLUGIN_NAMES)
 
 
 def build_plugin(name: str, mixed_precision: str = "fp32", dp_replicate: int = 1, sp_size: int = 1,

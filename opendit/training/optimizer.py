@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from opendit.booster import PLUGINS
 from opendit.optim import FORMATS, MASTER_MODES, LeanOptimizer, attach_fused_backward, build_optimizer
 
 OPTIMIZER_NAMES = ("adamw", "nadamw", "adan", "adafactor")
-SHARDED_PLUGINS = ("zero2", "zero3", "fsdp", "hsdp", "gemini")
+SHARDED_PLUGINS = tuple(name for name, plugin in PLUGINS.items() if plugin.sharded)
 
 
 @dataclass(frozen=True)
