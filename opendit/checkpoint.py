@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from opendit.ema import ShardedEMA
+from opendit.seeding import mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def set_rng_state(state: dict) -> None:
 
 def _seed_fallback(step: int, rank: int) -> None:
     """Deterministic RNG for a rank that has no saved state (resumed at a larger world size)."""
-    seed = (step * 1_000_003 + rank * 7919) % (2**31)
+    seed = mix_seed(step, rank) % 2**32  # np.random.seed takes at most 32 bits
     torch.manual_seed(seed)  # seeds CUDA too
     np.random.seed(seed)
     random.seed(seed)

@@ -9,8 +9,8 @@ import os
 from PIL import Image
 from torch.utils.data import Dataset
 
-from opendit.data.seeding import mix_seed
 from opendit.data.transforms import center_crop_arr, check_image_size, to_signed_tensor
+from opendit.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from opendit.data.seeding import mix_seed
+from opendit.seeding import mix_seed
 
 CACHE_VERSION = 1
+CACHE_DTYPES = ("float32", "float16")  # storage of the posterior mean and std
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 ARRAYS = ("mean", "std")

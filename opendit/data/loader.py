@@ -6,8 +6,8 @@ from opendit.data.digits import DigitsDataset
 from opendit.data.image_folder import ImageFolderDataset
 from opendit.data.latents import LatentDataset
 from opendit.data.sampler import ResumableDistributedSampler
-from opendit.data.seeding import mix_seed
 from opendit.data.transforms import check_image_size
+from opendit.seeding import mix_seed
 
 DATASETS = ("digits", "folder", "latents")
 

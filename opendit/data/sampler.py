@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import Sampler
 
-from opendit.data.seeding import mix_seed
+from opendit.seeding import mix_seed
 
 
 class ResumableDistributedSampler(Sampler[int]):

@@ -18,6 +18,8 @@ mixed-precision recipe, 2 bytes more per parameter than bf16_exact but no join/s
 """
 import torch
 
+from opendit.seeding import mix_seed
+
 MASTER_MODES = ("fp32", "bf16_exact", "bf16_stochastic", "fp32_copy")
 _HIGH = -65536  # int32 mask 0xFFFF0000
 
@@ -101,5 +103,5 @@ class MasterWeights:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         g = self._generators[device]
-        g.manual_seed(hash((self.seed,) + tuple(key)) & ((1 << 63) - 1))
+        g.manual_seed(mix_seed(self.seed, *key))
         return g
