@@ -44,7 +44,6 @@ class GaussianDiffusion(SamplingMixin):
         # q(x_t | x_0) = N(sqrt(acp) x_0, (1 - acp) I)
         self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
         self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
-        self.log_one_minus_alphas_cumprod = np.log(1.0 - self.alphas_cumprod)
         self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1)
         # q(x_{t-1} | x_t, x_0) = N(coef1 x_0 + coef2 x_t, beta_tilde_t)
@@ -56,12 +55,6 @@ class GaussianDiffusion(SamplingMixin):
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
 
     # ---- forward process -------------------------------------------------------------------
-    def q_mean_variance(self, x_start, t):
-        """Mean, variance and log-variance of q(x_t | x_0)."""
-        mean = _extract(self.sqrt_alphas_cumprod, t, x_start) * x_start
-        variance = _extract(1.0 - self.alphas_cumprod, t, x_start)
-        return mean, variance, _extract(self.log_one_minus_alphas_cumprod, t, x_start)
-
     def q_sample(self, x_start, t, noise=None, generator=None):
         """Draw x_t ~ q(x_t | x_0): sqrt(acp_t) x_0 + sqrt(1 - acp_t) noise."""
         if noise is None:

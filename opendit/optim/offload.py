@@ -91,9 +91,6 @@ class StatePlacement:
                 host[k].copy_(t, non_blocking=True)
                 t.record_stream(side)  # keep the device copy alive until the copy has run
 
-    def discard(self, key) -> None:
-        self._pending.pop(key, None)
-
     def synchronize(self) -> None:
         """Wait for every queued copy (before host code reads or replaces the host tensors)."""
         for stream in self._streams.values():
