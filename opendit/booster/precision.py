@@ -1,8 +1,17 @@
-"""Mixed precision: dtype names, FSDP2 policies, and dynamic loss scaling for fp16.
+"""Mixed precision: dtype names, FSDP2 policies, forward casts for bf16 parameters, and dynamic loss scaling
+for fp16.
 
-Master weights are always fp32; bf16/fp16 only change the compute dtype. fp16's 5 exponent bits underflow
-small gradients, so the loss is multiplied by a scale before backward and the gradients divided by it before
-the step; a step whose gradients hold inf/nan (on any rank) is skipped and the scale halved.
+--mixed_precision names the compute dtype; the parameters keep the dtype the model has when it is boosted.
+With fp32 parameters (the default, --master_weights fp32) bf16/fp16 only change the compute dtype: FSDP2's
+MixedPrecisionPolicy casts the gathered parameters, DDP runs under torch.autocast. The other
+--master_weights modes (bf16_exact, bf16_stochastic, fp32_copy) cast the trainable parameters to bf16 before
+boosting (opendit/training/optimizer.py) and the optimizer holds what bf16 lacks: an int16 residual, an fp32
+copy, or nothing with stochastic rounding (docs/memory_lean.md). DDP then casts the model's inputs and
+outputs (`cast_forward_io`) instead of using autocast.
+
+fp16's 5 exponent bits underflow small gradients, so the loss is multiplied by a scale before backward and
+the gradients divided by it before the step; a step whose gradients hold inf/nan (on any rank) is skipped and
+the scale halved.
 """
 import logging
 
@@ -122,3 +131,4 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
