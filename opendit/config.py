@@ -164,7 +164,9 @@ class SampleConfig:
     batch_size: int = opt(32, "per process")
     out: str = opt("samples", "output folder")
     npz: bool = opt(False, "also write samples.npz (uint8 [N, H, W, 3]) for FID tools")
-    mixed_precision: str = opt("fp32", "compute dtype (autocast)", _precisions)
+    mixed_precision: str = opt("fp32", "the model's weights and compute (the sampler's math stays fp32)",
+                               _precisions)
+    compile: bool = opt(False, "torch.compile each block")
     enable_flashattn: bool = opt(False, "FlashAttention when installed, else SDPA")
     enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate")
     enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")

@@ -5,7 +5,11 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from opendit import config as cfglib
+from opendit.booster.parallelize import apply_compile
+from opendit.booster.precision import cast_forward_io, compute_dtype
 from opendit.checkpoint import latest_run_checkpoint, load_weights
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
@@ -62,9 +66,22 @@ def load_model(cfg: cfglib.SampleConfig, device) -> LoadedModel:
     check_model_contract(model, name)
     model.load_state_dict(state if state is not None else load_weights(str(weights)), strict=True)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
+    model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
     logger.info("loaded %s (%s, family %s, input %s, vae %s)", weights, name, family.name,
                 "x".join(map(str, shape)), run.vae)
-    return LoadedModel(family, model.to(device).eval(), encoders, run, shape, str(weights))
+    return LoadedModel(family, model, encoders, run, shape, str(weights))
+
+
+def speed_up(model, mixed_precision: str = "fp32", compile: bool = False):
+    """bf16 / fp16: the model's weights and compute in that dtype (inputs cast to it, outputs back to fp32, so
+    the sampler's math stays fp32); compile: torch.compile each block, as training's --compile does."""
+    dtype = compute_dtype(mixed_precision)
+    if dtype != torch.float32:
+        model.to(dtype)
+        cast_forward_io(model, dtype)
+    if compile:
+        apply_compile(model)
+    return model
 
 
 def global_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[range]:

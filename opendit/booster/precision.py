@@ -132,3 +132,16 @@ class DynamicLossScaler:
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
+
+def set_tf32(device: torch.device, enabled: bool = True) -> None:
+    """TF32 matmuls and convolutions in fp32 compute on NVIDIA GPUs (what the published DiT recipe and its
+    reference sampler run); a no-op elsewhere."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def autocast(device: torch.device, mixed_precision: str):
+    """torch.autocast to the compute dtype of `mixed_precision` ("fp32": off), e.g. for sampling."""
+    dtype = compute_dtype(mixed_precision)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from opendit.booster.precision import autocast
 from opendit.data import build_dataset, read_manifest
 from opendit.diffusion import SAMPLERS, GaussianSampler
 from opendit.encoders.vae import SD_VAE_SCALE, decode, encode, load_vae, vae_geometry
@@ -147,13 +146,21 @@ class ImageDiffusionFamily(ModelFamily):
 
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
-        """Images for global indices -> uint8 [n, H, W, C]. Noise comes from a generator seeded by (seed, first
-        index), so a batch is the same on any rank."""
-        model, cfg, vae = loaded.model, loaded.cfg, loaded.encoders.vae
+        """Images for global indices -> uint8 [n, H, W, C] (decoded by the VAE when there is one)."""
+        out = self.sample_latents(loaded, sampler, indices, conditions, sample_cfg, device)
+        vae = loaded.encoders.vae
+        images = decode(vae, out, scale=loaded.cfg.vae_scale) if vae is not None else out.clamp(-1, 1)
+        return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+    @torch.no_grad()
+    def sample_latents(self, loaded, sampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
+        """The sampler's output for global indices: float32 [n, *latent_shape] on device. Noise comes from a
+        generator seeded by (seed, first index), so a batch is the same on any rank."""
+        model, cfg = loaded.model, loaded.cfg
         gen = torch.Generator().manual_seed(sample_cfg.seed * 1_000_003 + indices.start)
         n = len(indices)
         z = torch.randn(n, *loaded.latent_shape, generator=gen).to(device)
-        net, kwargs = model.forward, {}
+        net, kwargs = model, {}  # model(...), not model.forward: input/output hooks (dtype casts) must run
         if self.class_conditional:
             y = torch.tensor([conditions[i % len(conditions)] for i in indices], device=device)
             kwargs = {"y": y}
@@ -162,13 +169,9 @@ class ImageDiffusionFamily(ModelFamily):
                 kwargs = {"y": torch.cat([y, torch.full_like(y, cfg.num_classes)]), "cfg_scale": sample_cfg.cfg_scale}
                 net = model.forward_with_cfg
 
-        def fn(x, t, **kw):  # the sampler's math stays fp32 whatever the model's compute dtype
+        def fn(x, t, **kw):  # the sampler's math stays fp32 whatever the model's dtype
             return net(x, t, **kw).float()
-        with autocast(device, sample_cfg.mixed_precision):
-            out = sampler(fn, z, kwargs, device=device, generator=gen)
-        out = out[:n].float()
-        images = decode(vae, out, scale=cfg.vae_scale) if vae is not None else out.clamp(-1, 1)
-        return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return sampler(fn, z, kwargs, device=device, generator=gen)[:n].float()
 
     def writer(self, out_dir, sample_cfg, cfg) -> "ImageWriter":
         return ImageWriter(Path(out_dir), npz=sample_cfg.npz)

@@ -87,7 +87,7 @@ class DiT(SwitchesMixin, nn.Module):
         DiT sampler used 3 of 4 latent channels) and the learned-variance channels of the conditional half are kept.
         """
         half = x[: len(x) // 2]
-        out = self.forward(torch.cat([half, half]), t, y)
+        out = self(torch.cat([half, half]), t, y)  # through __call__: input/output hooks (dtype casts) run
         n = self.in_channels if cfg_channels is None else cfg_channels
         eps, rest = out[:, :n], out[:, n:]
         cond_eps, uncond_eps = eps.chunk(2)

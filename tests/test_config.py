@@ -1,0 +1,69 @@
+"""Flags: derived from the config dataclasses with help, defaults and the registries' valid values; the
+README documents every training flag; settings a cache or the data decide are never silently replaced."""
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from opendit import config as cfglib
+from tests.test_train import ROOT
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "preprocess.py"])
+def test_help_shows_sections_help_defaults_and_choices(script):
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    cls = {"train.py": cfglib.TrainConfig, "sample.py": cfglib.SampleConfig,
+           "preprocess.py": cfglib.PreprocessConfig}[script]
+    for f in dataclasses.fields(cls):  # every flag explains itself
+        assert f.metadata["help"], f"--{f.name} has no help text"
+        assert " ".join(f.metadata["help"].split())[:30] in text, f"--{f.name}'s help is not shown"
+    for title in cls.SECTIONS.values():
+        assert f"{title}:" in out.stdout
+    if script == "train.py":
+        assert "--plugin {ddp,zero2,zero3,fsdp,hsdp,gemini}" in text and "(default: ddp)" in text
+        assert "one of: DiT-Ti/2" in text and "DiT-XL/2" in text and "--mixed_precision {fp32,bf16,fp16}" in text
+    if script == "sample.py":
+        assert "--sampler {ddpm,ddim}" in text and "(default: 250)" in text
+    if script == "preprocess.py":
+        assert "--family {dit}" in text and "--dtype {float32,float16}" in text
+
+
+def test_choices_come_from_the_registries():
+    from opendit.booster.plugins import PLUGINS
+    from opendit.families import all_models
+
+    parser = cfglib.build_parser(cfglib.TrainConfig, None)
+    actions = {a.dest: a for a in parser._actions}
+    assert actions["plugin"].choices == list(PLUGINS) and actions["model"].choices == list(all_models())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--plugin", "zero9"])
+
+
+def test_readme_flag_table_documents_every_training_flag():
+    readme = (ROOT / "README.md").read_text()
+    table = "\n".join(line for line in readme.splitlines() if line.startswith("| `--"))
+    documented = set(re.findall(r"`--(\w+)`", table))
+    missing = [f.name for f in dataclasses.fields(cfglib.TrainConfig) if f.name not in documented]
+    assert not missing, f"README's flag table lacks {missing}"
+
+
+def test_explicit_num_classes_at_the_old_default_is_kept_for_a_folder(tmp_path):
+    """--num_classes 10 given for 12 class folders is an error, not silently replaced; left out, it is 12."""
+    from PIL import Image
+
+    from tests.test_train import run_trainer, tiny_cfg
+
+    for c in range(12):
+        (tmp_path / "data" / f"c{c:02d}").mkdir(parents=True)
+        Image.new("RGB", (8, 8), (c * 20, 0, 0)).save(tmp_path / "data" / f"c{c:02d}" / "a.png")
+    common = dict(dataset="folder", data_path=str(tmp_path / "data"), batch_size=4, max_steps=1)
+    with pytest.raises(ValueError, match="--num_classes 10 is fewer than the 12 classes"):
+        run_trainer(tiny_cfg(tmp_path / "o", num_classes=10, **common))
+    trainer, _ = run_trainer(tiny_cfg(tmp_path / "o", **common))
+    assert trainer.cfg.num_classes == 12 and trainer.model.num_classes == 12
+    saved = cfglib.load_yaml(cfglib.TrainConfig, trainer.run_dir / "config.yaml")
+    assert saved.num_classes == 12 and saved.vae_scale == 0.18215 and saved.image_size == 8  # resolved values
