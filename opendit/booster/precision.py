@@ -139,9 +139,3 @@ def set_tf32(device: torch.device, enabled: bool = True) -> None:
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
-
-
-def autocast(device: torch.device, mixed_precision: str):
-    """torch.autocast to the compute dtype of `mixed_precision` ("fp32": off), e.g. for sampling."""
-    dtype = compute_dtype(mixed_precision)
-    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)

@@ -26,7 +26,8 @@ class ModelSpec:
     arch: Mapping[str, Any] = field(default_factory=dict)
 
     def build(self, **kwargs) -> nn.Module:
-        return self.constructor(**self.arch, **kwargs)
+        """kwargs may also override an architecture value (e.g. depth=3 for a quick test)."""
+        return self.constructor(**{**self.arch, **kwargs})
 
     @property
     def num_heads(self) -> int:
