@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from opendit.booster.precision import DTYPES  # noqa: E402
 from opendit.models.layers import Attention  # noqa: E402
 from opendit.parallel import KINDS, CommCounter, SequenceParallel, comm_bytes_per_layer, default_sp_kind  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def time_steps(attn, x, steps, device):

@@ -43,8 +43,8 @@ def _plugins():
 
 
 def _precisions():
-    from opendit.booster.precision import DTYPES
-    return list(DTYPES)
+    from opendit.booster.precision import PRECISIONS
+    return list(PRECISIONS)
 
 
 def _optimizers():
