@@ -100,7 +100,6 @@ class ModelFamily:
     models: Mapping[str, ModelSpec] = {}
     datasets: tuple[str, ...] = ()  # --dataset values it trains on
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
-    writes: str = ""  # what sample.py writes, for the docs and logs: "PNG grid + npz", "MP4", ...
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def resolve_config(self, cfg):
@@ -159,7 +158,11 @@ class ModelFamily:
         (rank 0, after all have written)."""
         raise NotImplementedError
 
-    # ---- caching -------------------------------------------------------------------------------------------
-    def preprocess(self, **kwargs) -> dict:
-        """Encode a dataset once into a cache that `--dataset latents` trains on -> the cache manifest."""
+    # ---- caching (preprocess.py) ---------------------------------------------------------------------------
+    def cache_source(self, cfg, encoders):
+        """The dataset preprocess.py encodes (cfg: an opendit.config.PreprocessConfig): items (x, label)."""
+        raise NotImplementedError(f"model family {self.name!r} has no latent cache")
+
+    def cache_encode(self, encoders, x: torch.Tensor) -> dict:
+        """A batch of source items -> {"mean": [B, ...], "std": [B, ...]} float32 on the CPU, unscaled."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")

@@ -15,7 +15,7 @@ from PIL import Image
 
 from opendit.data import build_dataset, read_manifest
 from opendit.diffusion import SAMPLERS, GaussianSampler
-from opendit.encoders.vae import SD_VAE_SCALE, decode, encode, load_vae, vae_geometry
+from opendit.encoders.vae import SD_VAE_SCALE, decode, load_vae, vae_geometry
 from opendit.families.base import ModelFamily
 from opendit.training.objective import DiffusionObjective
 
@@ -37,8 +37,8 @@ def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -
 
 
 def settings_from_cache(cfg):
-    """--dataset latents: image size, VAE, scale and classes come from the cache's manifest. A flag left out
-    is taken from it; one given that disagrees is an error (the cache would not match it)."""
+    """--dataset latents: image size, VAE and scale come from the cache's manifest (the class count from the
+    dataset, later). A flag left out is taken from it; one given that disagrees is an error."""
     manifest = read_manifest(cfg.data_path)
     updates = {}
     for key in ("image_size", "vae", "vae_scale"):
@@ -55,7 +55,6 @@ def settings_from_cache(cfg):
 class ImageDiffusionFamily(ModelFamily):
     datasets = ("digits", "folder", "latents")
     samplers = SAMPLERS
-    writes = "images/NNNNNN.png, grid.png and with --npz samples.npz (uint8 [N, H, W, 3])"
     class_conditional = True  # False: no labels reach the model, no guidance
     default_image_size = 16
     default_vae_scale = SD_VAE_SCALE
