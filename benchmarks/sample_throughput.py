@@ -24,9 +24,7 @@ variants that would start after --time_budget are listed as skipped; --out is re
 import argparse
 import contextlib
 import dataclasses
-import gc
 import logging
-import math
 import sys
 import time
 import traceback
@@ -35,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchmarks/, beside this file)
 from opendit.booster.parallelize import apply_compile  # noqa: E402
 from opendit.booster.precision import set_tf32  # noqa: E402
 from opendit.config import SampleConfig  # noqa: E402
@@ -81,18 +81,6 @@ def parse_args(argv=None):
     if args.steps < 1 or args.warmup_steps < 0 or args.batch_size < 1:
         p.error("--steps and --batch_size must be >= 1 and --warmup_steps >= 0")
     return args
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def setup(args, device):
@@ -162,10 +150,10 @@ def run_variant(spec, args, device, ctx, batch):
     t0 = time.perf_counter()
     if args.warmup_steps:
         sample(dataclasses.replace(timed, num_sampling_steps=args.warmup_steps))
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     z = sample(timed)
-    _sync(device)
+    sync(device)
     dt = time.perf_counter() - t1
     z = z.float().cpu()
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
@@ -173,10 +161,6 @@ def run_variant(spec, args, device, ctx, batch):
     return dict(status="ok" if torch.isfinite(z).all() else "non-finite latents", batch=batch, z=z, ms_per_step=ms,
                 img_per_s=batch / (ms * EXTRAPOLATE_STEPS / 1e3), peak_mem_gib=peak, warmup_s=t1 - t0,
                 notes=_notes(model, spec, args, device))
-
-
-def _fmt(v, spec=".1f"):
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
 def format_table(rows, header_lines):
@@ -187,11 +171,11 @@ def format_table(rows, header_lines):
                           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ok = r["status"] == "ok"
-        vs = [_fmt(base[k] / r["ms_per_step"], ".2f") if ok and k in base else "-" for k in ("a", "b")]
+        vs = [fmt(base[k] / r["ms_per_step"], ".2f") if ok and k in base else "-" for k in ("a", "b")]
         out.append(f"| {r['variant']} | {r.get('batch', '-')} | {r.get('steps', '-')} | "
-                   f"{_fmt(r.get('ms_per_step'), '.4g')} | {_fmt(r.get('img_per_s'), '.4g')} | {vs[0]} | {vs[1]} | "
-                   f"{_fmt(r.get('peak_mem_gib'))} | {_fmt(r.get('warmup_s'))} | {_fmt(r.get('max_diff'), '.3g')} | "
-                   f"{_fmt(r.get('mean_diff'), '.3g')} | {r['status'] if not ok else ''}"
+                   f"{fmt(r.get('ms_per_step'), '.4g')} | {fmt(r.get('img_per_s'), '.4g')} | {vs[0]} | {vs[1]} | "
+                   f"{fmt(r.get('peak_mem_gib'))} | {fmt(r.get('warmup_s'))} | {fmt(r.get('max_diff'), '.3g')} | "
+                   f"{fmt(r.get('mean_diff'), '.3g')} | {r['status'] if not ok else ''}"
                    f"{'; ' if not ok and r.get('notes') else ''}{r.get('notes', '')} |")
     ref = next((r for r in rows if r["key"] == "a" and "ref_scale" in r), None)
     if ref:  # what the differences compare to
@@ -224,7 +208,7 @@ def main(argv=None):
             row["status"] = f"skipped (--time_budget {args.time_budget:.0f} s spent)"
         else:
             torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over between variants
-            _free(device)
+            free(device)
             try:
                 row.update(run_variant(spec, args, device, ctx, args.batch_size))
                 z = row.pop("z")
@@ -238,10 +222,10 @@ def main(argv=None):
                 row["status"] = "OOM"
             except Exception as e:  # a failing variant must not cost the other rows
                 traceback.print_exc()
-                row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-            _free(device)
+                row["status"] = failure_status(e)
+            free(device)
         rows.append(row)
-        print(f"{label}: {row['status']} {_fmt(row.get('ms_per_step'))} ms/step", file=sys.stderr, flush=True)
+        print(f"{label}: {row['status']} {fmt(row.get('ms_per_step'))} ms/step", file=sys.stderr, flush=True)
         if args.out:
             Path(args.out).write_text(format_table(rows, header))
     print(format_table(rows, header), flush=True)

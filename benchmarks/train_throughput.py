@@ -23,7 +23,6 @@ in the same run. An OOM or any other failure becomes a row, not a crash; with --
 that would start after the budget are listed as skipped. The table is rewritten to --out after every row.
 """
 import argparse
-import gc
 import logging
 import math
 import sys
@@ -36,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_profile import format_profile, profile_step  # noqa: E402  (benchmarks/, beside this file)
+from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchmarks/, beside this file)
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
@@ -89,18 +89,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def _notes(spec, backend, device):
     notes = [f"attn={backend}"]
     if spec.get("modulate") or spec.get("layernorm"):
@@ -127,11 +115,11 @@ def run_variant(spec, args, device, latent, batch, profile_title=None):
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step(x, cond)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     for _ in range(args.steps):
         loss = step(x, cond)
-    _sync(device)
+    sync(device)
     dt = time.perf_counter() - t1
     loss = loss.item()
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
@@ -141,10 +129,6 @@ def run_variant(spec, args, device, latent, batch, profile_title=None):
                 warmup_s=t1 - t0, loss=loss, notes=_notes(spec, backend, device))
 
 
-def _fmt(v, spec=".1f"):
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
 def format_table(rows, header_lines):
     base = {r["key"]: r["img_per_s"] for r in rows if r["status"] == "ok"}
     out = header_lines + ["", "| variant | batch | img/s | ms/step | TFLOP/s | MFU | peak mem GiB | x vs a | "
@@ -152,10 +136,10 @@ def format_table(rows, header_lines):
                           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ok = r["status"] == "ok"
-        vs = [_fmt(r["img_per_s"] / base[k], ".2f") if ok and k in base else "-" for k in ("a", "b")]
-        out.append(f"| {r['variant']} | {r.get('batch', '-')} | {_fmt(r.get('img_per_s'), '.4g')} | "
-                   f"{_fmt(r.get('ms_per_step'), '.4g')} | {_fmt(r.get('tflops'), '.4g')} | {_fmt(r.get('mfu'), '.1%')} | "
-                   f"{_fmt(r.get('peak_mem_gib'))} | {vs[0]} | {vs[1]} | {_fmt(r.get('warmup_s'))} | "
+        vs = [fmt(r["img_per_s"] / base[k], ".2f") if ok and k in base else "-" for k in ("a", "b")]
+        out.append(f"| {r['variant']} | {r.get('batch', '-')} | {fmt(r.get('img_per_s'), '.4g')} | "
+                   f"{fmt(r.get('ms_per_step'), '.4g')} | {fmt(r.get('tflops'), '.4g')} | {fmt(r.get('mfu'), '.1%')} | "
+                   f"{fmt(r.get('peak_mem_gib'))} | {vs[0]} | {vs[1]} | {fmt(r.get('warmup_s'))} | "
                    f"{r['status'] if not ok else ''}{'; ' if not ok and r.get('notes') else ''}{r.get('notes', '')} |")
     return "\n".join(out) + "\n"
 
@@ -193,7 +177,7 @@ def main(argv=None):
             row["status"] = f"skipped (--time_budget {args.time_budget:.0f} s spent)"
         else:
             torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over between variants
-            _free(device)
+            free(device)
             try:
                 title = f"Where the step's time goes: {label}, {args.model}, batch {batch}, {name}"
                 row.update(run_variant(spec, args, device, latent, batch, title if key == args.profile else None))
@@ -207,11 +191,11 @@ def main(argv=None):
                 row.update(status="OOM", batch=batch)
             except Exception as e:  # a failing variant must not cost the other rows
                 traceback.print_exc()
-                row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
+                row.update(status=failure_status(e),
                            batch=batch)
-            _free(device)
+            free(device)
         rows.append(row)
-        print(f"{label}: {row['status']} {_fmt(row.get('img_per_s'))} img/s", file=sys.stderr, flush=True)
+        print(f"{label}: {row['status']} {fmt(row.get('img_per_s'))} img/s", file=sys.stderr, flush=True)
         if args.out:
             Path(args.out).write_text(format_table(rows, header))
     table = format_table(rows, header)
