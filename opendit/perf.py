@@ -1,4 +1,4 @@
-"""Model FLOPs, matmul peak and MFU for DiT training.
+"""Model FLOPs, matmul peak and MFU for DiT and video DiT (VDiT, Latte) training.
 
 Counting convention (the DiT paper's and the issue's): only matmuls count — every nn.Linear, the patch
 embedding convolution and the two attention products (q k^T and p v); norms, activations, softmax and
@@ -15,8 +15,9 @@ import torch.nn as nn
 
 from opendit.models.layers import Attention
 
-# Linear layers applied once per sample (to the condition vector c [B, D]) rather than to every token.
-_PER_SAMPLE_PREFIXES = ("t_embedder", "adaLN_modulation")
+# Linear layers applied once per sample (to the condition vector c [B, D] or a pooled text embedding) rather
+# than to every token.
+_PER_SAMPLE_PREFIXES = ("t_embedder", "adaLN_modulation", "text_embedder")
 
 
 def _is_per_sample(name: str) -> bool:
@@ -67,6 +68,42 @@ def dit_train_flops_per_image(model, image_size: int | None = None, vae_downsamp
     elif image_size is not None:
         raise ValueError("pass image_size only with a model name; a built model already fixes its input size")
     return 3 * 2 * float(dit_forward_macs(model))
+
+
+def video_forward_macs(model: nn.Module) -> int:
+    """Multiply-accumulates of one forward pass for ONE clip of a video model (VDiT, Latte), from its layers.
+
+    N = T'·S tokens per clip. A token-wise Linear(in, out) costs N * in * out, a per-sample one (timestep MLP,
+    adaLN modulation, text projection) in * out, the patch conv N * weight.numel(), and each attention layer
+    2 * L^2 * D per sequence of length L, as the model lays its sequences out (`attention_sequences()`):
+    VDiT one sequence of T'·S tokens; Latte T' sequences of S (spatial blocks) and S sequences of T' (temporal).
+    Latte evaluates the adaLN modulation once per frame / per position (its condition rows are repeated);
+    model FLOPs count it once per clip, as the convention counts only what the model needs.
+    """
+    seqs = getattr(model, "attention_sequences", None)
+    if seqs is None:
+        raise ValueError(f"{type(model).__name__} has no attention_sequences(); video_forward_macs counts VDiT and "
+                         f"Latte (opendit.models.vdit / latte); image DiT: dit_forward_macs")
+    seqs = seqs()
+    tokens = seqs[0][0] * seqs[0][1]
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(attn) != len(seqs) or any(n * L != tokens for n, L in seqs):
+        raise ValueError(f"{type(model).__name__}.attention_sequences() {seqs} does not cover its {len(attn)} "
+                         f"attention layers with {tokens} tokens each")
+    macs = 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            macs += (1 if _is_per_sample(name) else tokens) * m.in_features * m.out_features
+        elif isinstance(m, (nn.Conv2d, nn.Conv3d)):
+            macs += tokens * m.weight.numel()  # one output position per token
+    for m, (n, L) in zip(attn, seqs):
+        macs += n * 2 * L * L * m.num_heads * m.head_dim
+    return macs
+
+
+def video_train_flops_per_sample(model: nn.Module) -> float:
+    """Training FLOPs per clip (3 passes x 2 FLOP x forward MACs) of a built VDiT or Latte (meta device is fine)."""
+    return 3 * 2 * float(video_forward_macs(model))
 
 
 def mfu(flops_per_s: float, peak_flops_per_s: float) -> float:

@@ -20,6 +20,19 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
+class PatchEmbed3D(nn.Module):
+    """[B, C, T, H, W] -> [B, (T/pt)*(H/ph)*(W/pw), D] by a stride-patch Conv3d; tokens in (t, h, w) order."""
+
+    def __init__(self, patch_size: tuple[int, int, int], in_channels: int, hidden_size: int):
+        super().__init__()
+        self.patch_size = tuple(patch_size)
+        self.proj = nn.Conv3d(in_channels, hidden_size, kernel_size=self.patch_size, stride=self.patch_size,
+                              bias=True)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # contiguous: see PatchEmbed
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
     """t [B] (may be fractional) -> [B, dim] sinusoidal features: cos first, then sin (DiT/ADM order)."""
     half = dim // 2

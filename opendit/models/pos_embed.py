@@ -20,3 +20,9 @@ def sincos_2d(dim: int, grid_size: int) -> torch.Tensor:
     grid_w, grid_h = np.meshgrid(coords, coords)  # DiT: w goes first
     emb = np.concatenate([sincos_1d(dim // 2, grid_w), sincos_1d(dim // 2, grid_h)], axis=1)
     return torch.from_numpy(emb).float()
+
+
+def sincos_temporal(dim: int, length: int) -> torch.Tensor:
+    """[length, dim]: frames 0..length-1 by sincos_1d (Latte's get_1d_sincos_temp_embed, OpenDiT's temporal
+    position embedding)."""
+    return torch.from_numpy(sincos_1d(dim, np.arange(length, dtype=np.float64))).float()

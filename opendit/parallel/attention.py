@@ -22,17 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from opendit.kernels.attention import attention
-from opendit.parallel.comm import all_to_all, gather_seq
-from opendit.parallel.plan import KINDS, default_sp_kind, padded_len
+from opendit.parallel.comm import all_to_all, gather_seq, pad_dim
+from opendit.parallel.plan import HEAD_KINDS, default_sp_kind, padded_len
 from opendit.parallel.ring import ring_gather_linear
-
-
-def _pad(t, length: int, dim: int):
-    """Zero-pad dim `dim` of t up to `length`."""
-    pad = length - t.shape[dim]
-    if not pad:
-        return t
-    return F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, pad])
 
 
 def _real_tokens(t, seq_lens, padded):
@@ -55,8 +47,10 @@ class SequenceParallel:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.kind = default_sp_kind(self.size) if kind == "auto" else kind
-        if self.kind not in KINDS:
-            raise ValueError(f"sequence parallel type {kind!r} is unknown; choose one of {KINDS + ('auto',)}")
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"sequence parallel type {kind!r} does not apply to a model that splits one token "
+                             f"sequence; choose one of {HEAD_KINDS + ('auto',)} (DSP: a spatial-temporal model "
+                             f"such as Latte, opendit.parallel.DynamicSequenceParallel)")
         self.counter = counter
         self.seq_len = None  # the unpadded length of the last sequence split(), the default of attend/gather
 
@@ -77,7 +71,7 @@ class SequenceParallel:
         """
         N = tokens.shape[dim]
         self.seq_len = N
-        return _pad(tokens, padded_len(N, self.size), dim).chunk(self.size, dim=dim)[self.rank]
+        return pad_dim(tokens, padded_len(N, self.size), dim).chunk(self.size, dim=dim)[self.rank]
 
     def pad_full(self, t, seq_lens=None, dim: int = 1):
         """A full-sequence tensor (e.g. RoPE cos/sin [N, Dh/2]) -> the head-parallel layout's padded sequence.
@@ -91,7 +85,7 @@ class SequenceParallel:
             raise ValueError(f"pad_full: dim {dim} of shape {tuple(t.shape)} does not hold the segments "
                              f"{seq_lens}; pass the unpadded lengths of the streams t concatenates")
         segs = t.split(seq_lens, dim=dim)
-        return torch.cat([_pad(s, padded_len(N, self.size), dim) for s, N in zip(segs, seq_lens)], dim=dim)
+        return torch.cat([pad_dim(s, padded_len(N, self.size), dim) for s, N in zip(segs, seq_lens)], dim=dim)
 
     def gather(self, x, dim: int = 1, seq_len=None):
         """This rank's chunk [B, n, C] -> the whole sequence [B, N, C] on every rank (padding removed).

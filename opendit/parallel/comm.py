@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 only has the old names. Same signatures.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +36,14 @@ class CommCounter:
     def reset(self):
         self.bytes.clear()
         self.calls.clear()
+
+
+def pad_dim(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero-pad dim `dim` of t up to `length` (sequence parallelism pads sequences to a multiple of P)."""
+    pad = length - t.shape[dim]
+    if not pad:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, pad])
 
 
 def _count(counter, key, nbytes):
