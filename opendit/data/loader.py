@@ -5,18 +5,23 @@ from torch.utils.data import DataLoader, Dataset
 from opendit.data.digits import DigitsDataset
 from opendit.data.image_folder import ImageFolderDataset
 from opendit.data.latents import LatentDataset
+from opendit.data.moving_digits import MovingDigitsDataset
 from opendit.data.sampler import ResumableDistributedSampler
 from opendit.data.transforms import check_image_size
+from opendit.data.video_csv import VideoCSVDataset
 from opendit.seeding import mix_seed
 
-DATASETS = ("digits", "folder", "latents")
+DATASETS = ("digits", "folder", "latents", "video_csv", "moving_digits")
 
 
 def build_dataset(name: str, data_path=None, image_size=None, **kwargs) -> Dataset:
-    """name "digits" (built-in demo, data_path unused), "folder" (ImageNet-style class folders) or "latents"
-    (a cache written by preprocess.py; image_size may be None, else it must match the cache).
+    """name "digits" (built-in demo, data_path unused), "folder" (ImageNet-style class folders), "latents"
+    (a cache written by preprocess.py; image_size may be None, else it must match the cache), "video_csv"
+    (data_path: a CSV of videos, see VideoCSVDataset) or "moving_digits" (built-in video demo, data_path unused).
 
-    kwargs go to the dataset: digits -> channels, split; folder and latents -> random_flip, seed."""
+    kwargs go to the dataset: digits -> channels, split; folder and latents -> random_flip, seed;
+    video_csv -> num_frames, frame_interval, seed, channels; moving_digits -> those and split.
+    Image datasets give (image [C, S, S], label); video datasets give (video [C, T, S, S], label, caption)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if name == "latents":
@@ -24,6 +29,13 @@ def build_dataset(name: str, data_path=None, image_size=None, **kwargs) -> Datas
     image_size = check_image_size(image_size)
     if name == "digits":
         return DigitsDataset(image_size, **kwargs)
+    if name == "moving_digits":
+        return MovingDigitsDataset(image_size, **kwargs)
+    if name == "video_csv":
+        if data_path is None:
+            raise ValueError("dataset 'video_csv' needs a data path; pass --data_path <CSV of path,caption or "
+                             "path,label rows> or use --dataset moving_digits for the built-in video demo")
+        return VideoCSVDataset(data_path, image_size, **kwargs)
     if data_path is None:
         raise ValueError("dataset 'folder' needs a data path; pass --data_path <folder of class folders> "
                          "or use --dataset digits for the built-in demo set")

@@ -1,0 +1,144 @@
+"""Videos listed in a CSV: item = (float32 [C, T, S, S] in [-1, 1], int label, str caption).
+
+The CSV has two columns, `path,caption` or `path,label` (a header row naming them, or none, as in OpenDiT:
+then the second column holds labels when every value is an integer, else captions). Relative paths resolve
+against the CSV's folder. Each item is num_frames frames, frame_interval apart, from a start drawn per
+(seed, epoch, index); each frame gets the ADM center crop of the image datasets.
+
+Missing, corrupt and too-short videos never stop an epoch: as in ImageFolderDataset, a bad file is logged
+once, counted in `num_skipped`, and its slot is filled by the next readable index.
+"""
+import csv
+import logging
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from opendit.data.transforms import center_crop_arr, check_image_size
+from opendit.data.video_io import clip_span, read_clip, require_av
+from opendit.seeding import mix_seed
+
+logger = logging.getLogger(__name__)
+
+CSV_HINT = ("expected a CSV with two columns and the header `path,caption` or `path,label` "
+            "(or no header: `path,<caption or integer label>` per row); relative paths resolve against "
+            "the CSV's folder")
+HEADERS = {("path", "caption"): "caption", ("path", "label"): "label"}
+
+
+def read_video_csv(csv_path: str):
+    """-> (kind "label" or "caption", [(absolute path, label or -1, caption or "")]) in file order."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"video CSV {csv_path!r} does not exist or is not a file; pass --data_path "
+                                f"pointing to it ({CSV_HINT}), or use --dataset moving_digits for the "
+                                f"built-in video demo")
+    with open(csv_path, newline="", encoding="utf-8-sig") as f:  # -sig: drops the BOM spreadsheets write
+        rows = [(line, row) for line, row in enumerate(csv.reader(f), start=1) if any(c.strip() for c in row)]
+    if rows and tuple(c.strip().lower() for c in rows[0][1]) in HEADERS:
+        kind = HEADERS[tuple(c.strip().lower() for c in rows[0][1])]
+        rows = rows[1:]
+    elif rows and rows[0][1][0].strip().lower() == "path":
+        raise ValueError(f"{csv_path!r} has the header {','.join(rows[0][1])!r}; {CSV_HINT}")
+    else:
+        kind = None
+    if not rows:
+        raise ValueError(f"{csv_path!r} has no rows of videos; {CSV_HINT}")
+    for line, row in rows:
+        if len(row) != 2 or not row[0].strip():
+            raise ValueError(f"{csv_path!r} line {line} has {len(row)} column(s) {row!r}; {CSV_HINT}")
+    if kind is None:
+        kind = "label" if all(_is_int(row[1]) for _, row in rows) else "caption"
+    folder = os.path.dirname(os.path.abspath(csv_path))
+    samples = []
+    for line, (path, value) in rows:
+        path = os.path.join(folder, os.path.expanduser(path.strip()))  # an absolute path stays as it is
+        if kind == "caption":
+            samples.append((path, -1, value.strip()))
+            continue
+        if not _is_int(value) or int(value) < 0:
+            raise ValueError(f"{csv_path!r} line {line}: label {value!r} is not a non-negative integer; "
+                             f"labels are class indices 0..N-1 (use the header `path,caption` for text)")
+        samples.append((path, int(value), ""))
+    return kind, samples
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text.strip())
+    except ValueError:
+        return False
+    return True
+
+
+class VideoCSVDataset(Dataset):
+    """item = (float32 [channels, num_frames, S, S] in [-1, 1], int label (-1 without labels),
+    str caption ("" without captions)).
+
+    The clip start of item i in epoch e is a pure function of (seed, e, i): call `set_epoch(e)` before
+    iterating. channels=1 converts frames to grey (ITU-R 601 luma). `num_classes` is max label + 1
+    (0 for a caption CSV); `classes` names them "0".."N-1". `num_skipped` counts distinct unreadable
+    videos seen by this process (each DataLoader worker has its own).
+    """
+
+    def __init__(self, csv_path: str, image_size: int, num_frames: int = 16, frame_interval: int = 1,
+                 seed: int = 0, channels: int = 3):
+        self.csv_path = os.fspath(csv_path)
+        self.image_size = check_image_size(image_size)
+        clip_span(num_frames, frame_interval)  # validates both
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels!r}")
+        if int(seed) < 0:
+            raise ValueError(f"seed must be >= 0, got {seed!r}")
+        self.num_frames, self.frame_interval = int(num_frames), int(frame_interval)
+        self.channels = channels
+        self.seed = int(seed)
+        self.epoch = 0
+        self.kind, self.samples = read_video_csv(self.csv_path)
+        require_av()  # fail here without PyAV, not by skipping every video as unreadable
+        self.num_classes = max(label for _, label, _ in self.samples) + 1 if self.kind == "label" else 0
+        self.classes = [str(i) for i in range(self.num_classes)]
+        self._bad = set()  # indices already found unreadable: skipped without re-reading or re-warning
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self._bad)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _clip(self, path: str, index: int) -> torch.Tensor:
+        # the start keys on the requested index, so a replacement does not shift other items' starts
+        frames = read_clip(path, self.num_frames, self.frame_interval,
+                           seed=mix_seed(self.seed, self.epoch, index))  # uint8 [T, H, W, 3]
+        mode = "L" if self.channels == 1 else "RGB"
+        crops = [np.asarray(center_crop_arr(Image.fromarray(f), self.image_size).convert(mode)) for f in frames]
+        clip = torch.from_numpy(np.stack(crops)).reshape(self.num_frames, self.image_size, self.image_size,
+                                                         self.channels)  # [T, S, S, C] uint8
+        return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, S, S] in [-1, 1]
+
+    def __getitem__(self, index: int):
+        n = len(self.samples)
+        for offset in range(n):
+            i = (index + offset) % n
+            if i in self._bad:
+                continue
+            path, label, caption = self.samples[i]
+            try:
+                clip = self._clip(path, index)
+            # FileNotFoundError, VideoReadError (corrupt, too short) and whatever else FFmpeg or PIL raise
+            # for one bad file must not end the epoch
+            except Exception as err:  # noqa: BLE001
+                self._bad.add(i)
+                logger.warning("skipping unreadable video %s: %s: %s", path, type(err).__name__, err)
+                continue
+            return clip, label, caption
+        raise RuntimeError(
+            f"all {n} videos listed in {self.csv_path!r} are unreadable (see the warnings above); check the "
+            f"paths (relative ones resolve against the CSV's folder) and the files, or use --dataset "
+            f"moving_digits for the built-in video demo")
