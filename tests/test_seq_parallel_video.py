@@ -8,6 +8,9 @@ Geometries: 3 frames x 9 positions (neither divisible by 2 or 4: padded frames A
 rank holds only a padded frame) and 4 x 4 (divisible; at P = 4 one position per rank).
 """
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ import torch.distributed as dist
 
 from opendit.models.latte import Latte
 from opendit.models.vdit import VDiT
-from opendit.parallel import CommCounter, comm_bytes_per_layer, dsp_comm_bytes_per_block, gather_comm_bytes
+from opendit.parallel import (CommCounter, comm_bytes_per_layer, dsp_comm_bytes_per_block, gather_comm_bytes,
+                              validate_sp)
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, OUT_TOL
 
@@ -99,3 +103,41 @@ def test_video_sp_equals_the_unsplit_model(P):
             expected = _expected_bytes(kind, P, geo.split()[0])
             got = {site: sum(v for k, v in sent.items() if k.startswith(site + ".")) for site in expected}
             assert got == expected and sum(sent.values()) == sum(expected.values()), (where, sent)
+
+
+# ------------------------------------------------------------------------------------ planning, one process
+def test_validate_sp_takes_the_models_kinds():
+    assert validate_sp(8, 4, "auto", 6, kinds=Latte.sp_kinds) == "dsp"  # DSP: no head-count rule (6 heads, P=4)
+    assert validate_sp(8, 8, "dsp", 16, kinds=Latte.sp_kinds) == "dsp"
+    assert validate_sp(8, 2, "auto", 16, kinds=VDiT.sp_kinds) == "fastseq"
+    assert validate_sp(8, 4, "auto", 16, kinds=VDiT.sp_kinds) == "ulysses"
+    with pytest.raises(ValueError, match="dsp does not apply to this model; it supports \\('fastseq', 'ulysses'"):
+        validate_sp(8, 2, "dsp", 16)  # the default kinds: a model that splits one token sequence
+    with pytest.raises(ValueError, match="ulysses does not apply to this model; it supports \\('dsp', 'auto'\\)"):
+        validate_sp(8, 2, "ulysses", 16, kinds=Latte.sp_kinds)
+    with pytest.raises(ValueError, match="does not divide the world size"):
+        validate_sp(6, 4, "dsp", 16, kinds=Latte.sp_kinds)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_dsp_volume_is_a_quarter_of_ulysses_per_pair_of_blocks(P):
+    T, S, Dm = 2 * P, 3 * P, 8 * P
+    dsp = dsp_comm_bytes_per_block(P, T, S, Dm, backward=False)
+    assert dsp * P * P == 2 * (P - 1) * T * S * Dm * 4  # two all-to-alls of (P-1)/P^2 of B T' S D e each
+    assert 4 * dsp == 2 * comm_bytes_per_layer("ulysses", P, T * S, Dm, backward=False)
+    assert dsp_comm_bytes_per_block(P, T - 1, S - 1, Dm) == 2 * dsp  # padded up; backward mirrors forward
+    assert gather_comm_bytes(P, T - 1, 5, backward=False) == (P - 1) * 2 * 5 * 4  # (P-1) x this rank's chunk
+    with pytest.raises(ValueError, match="dsp_comm_bytes_per_block"):
+        comm_bytes_per_layer("dsp", P, T * S, Dm)
+
+
+@pytest.mark.slow
+def test_benchmark_cpu_mode_prints_the_video_table():
+    """benchmarks/seq_parallel.py at a small size; it exits non-zero if a counted byte differs from the formula."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "seq_parallel.py"
+    out = subprocess.run([sys.executable, str(script), "--seq_len", "9", "--hidden", "32", "--heads", "4",
+                          "--sizes", "2", "--steps", "1", "--video_frames", "3", "--video_latent", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | ")]
+    assert [r.split(" | ")[1:3] for r in rows[-3:]] == [["VDiT", "fastseq"], ["VDiT", "ulysses"], ["Latte", "dsp"]]
