@@ -87,7 +87,7 @@ class Latte(VideoDiTBase):
             tokens = self.blocks[i](tokens, c_frame).view(B, n_frames, S, -1)  # spatial: attention within a frame
             if dsp is not None:
                 tokens = dsp.to_positions(tokens)  # [B, T, S/P (padded), D]: all real frames, split positions
-            per_pos = tokens.transpose(1, 2)  # [B, S', T, D]
+            per_pos = tokens.transpose(1, 2)  # [B, S', T, D]; S' = S, or S/P (padded) under DSP
             if i == 0:
                 per_pos = per_pos + self.temp_embed.to(per_pos.dtype)  # [1, T, D]: the same for every position
             n_pos = per_pos.shape[1]
