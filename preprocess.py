@@ -28,7 +28,8 @@ logger = logging.getLogger("opendit.preprocess")
 
 
 class _Tagged(torch.utils.data.Dataset):
-    """Adds (index, ok) to each item: ok is False when the dataset replaced an unreadable file by another."""
+    """Adds ok to each item ((x, label[, caption]) -> (..., ok)): ok is False when the dataset replaced an
+    unreadable file by another."""
 
     def __init__(self, dataset, indices):
         self.dataset, self.indices = dataset, indices
@@ -38,8 +39,7 @@ class _Tagged(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         index = self.indices[i]
-        x, y = self.dataset[index]
-        return x, y, index not in getattr(self.dataset, "_bad", ())
+        return *self.dataset[index], index not in getattr(self.dataset, "_bad", ())
 
 
 def _progress(done, total, start, skipped):
@@ -50,19 +50,22 @@ def _progress(done, total, start, skipped):
 
 def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers):
     """Encode dataset[indices] with encode(x) -> {"mean", "std"} into shards r<rank>-<k> under folder
-    -> (shard entries, skipped count, per-item latent shape or None when nothing was encoded)."""
+    -> (shard entries, skipped count, per-item latent shape or None when nothing was encoded). Captions (video
+    sources that have them) are stored beside the labels."""
     loader = torch.utils.data.DataLoader(_Tagged(dataset, indices), batch_size=batch_size, num_workers=num_workers)
     shards, buf, skipped, done, start, last, shape = [], {}, 0, 0, time.time(), 0.0, None
 
     def flush():
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
-            shards.append(write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays))
+            shards.append({**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
+                           "captions": "caption" in arrays})
         buf.clear()
 
-    for x, y, ok in loader:
+    for *item, ok in loader:
         skipped += int((~ok).sum())
-        x, y = x[ok], y[ok]
+        x, y = item[0][ok], item[1][ok]
+        captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
         if len(y):
             parts = encode(x)
             if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image
@@ -71,6 +74,8 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
             for key, value in parts.items():
                 buf.setdefault(key, []).append(value.numpy().astype(dtype))
             buf.setdefault("label", []).append(y.numpy().astype(np.int64))
+            if captions is not None:
+                buf.setdefault("caption", []).append(np.array(captions, dtype=np.str_))
             if sum(len(v) for v in buf["label"]) >= shard_size:
                 flush()
         done += len(ok)
@@ -94,7 +99,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
         raise FileExistsError(f"{out!r} already exists; pass --overwrite to rebuild it, or choose another --out")
     if cfg.vae is None or cfg.vae.lower() == "none":
         raise ValueError("--vae is required (a diffusers AutoencoderKL folder or hub id); caching needs a VAE")
-    encoders = family.load_encoders(cfg, info.device, training=False)
+    encoders = family.cache_encoders(cfg, info.device)
     dataset = family.cache_source(cfg, encoders)
     partial = out + PARTIAL_SUFFIX
     if info.rank == 0:  # a previous interrupted run's leftovers are discarded
@@ -132,7 +137,8 @@ def _write_manifest(cfg, family, dataset, folder, gathered) -> dict:
         num_classes=int(getattr(dataset, "num_classes", 0)),
         classes=list(getattr(dataset, "classes", [str(c) for c in range(dataset.num_classes)])),
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),
-        flip_both=bool(cfg.flip_both), dtype=cfg.dtype, source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
+        flip_both=bool(cfg.flip_both), dtype=cfg.dtype, captions=bool(all_shards) and all_shards[0]["captions"],
+        **{key: getattr(cfg, key) for key in family.cache_keys}, source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
         shards=all_shards)
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)

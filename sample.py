@@ -33,8 +33,9 @@ def main(cfg: cfglib.SampleConfig) -> None:
     family, run = loaded.family, loaded.cfg
     dp_rank, dp_size, writes = info.rank, info.world_size, True
     if cfg.sequence_parallel_size > 1:  # ranks of one SP group share each batch and split its tokens
+        spec = family.models[run.model]
         kind = validate_sp(info.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
-                           family.models[run.model].num_heads)
+                           spec.num_heads, kinds=spec.sp_kinds)
         mesh = init_device_mesh(info.device.type, (info.world_size // cfg.sequence_parallel_size,
                                                    cfg.sequence_parallel_size), mesh_dim_names=("dp", "sp"))
         loaded.model.enable_sequence_parallel(mesh["sp"].get_group(), kind)

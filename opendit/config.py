@@ -97,8 +97,13 @@ class TrainConfig:
     vae_scale: float | None = opt(None, "latents are multiplied by it; default: a cache's, else the family's "
                                         "VAE scale (SD's 0.18215 for DiT)")
     learn_sigma: bool = opt(True, "the model also predicts the variance (DiT's IDDPM loss); false: fixed variance")
-    class_dropout_prob: float = opt(0.1, "labels replaced by the null class this often, for classifier-free "
-                                         "guidance")
+    class_dropout_prob: float = opt(0.1, "labels replaced by the null class (captions by the empty one) this "
+                                         "often, for classifier-free guidance")
+    num_frames: int | None = opt(None, "video: frames per clip; default: a latent cache's, else 16")
+    frame_interval: int | None = opt(None, "video: take every k-th frame of the source video; default: a "
+                                           "cache's, else 1")
+    clip: str = opt("none", "video: a local CLIP text encoder folder (transformers save_pretrained layout); "
+                            "captions then condition instead of class labels")
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
     max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs")
     batch_size: int = opt(256, "global batch over all data-parallel ranks")
@@ -160,10 +165,12 @@ class SampleConfig:
     ddim_eta: float = opt(0.0, "DDIM noise; 0: deterministic")
     seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
     class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
+    prompts: list[str] = opt(help="captions to sample, cycled (a model trained with --clip)", factory=list)
     num_samples: int = opt(0, "0: one per class label (or class)")
     batch_size: int = opt(32, "per process")
     out: str = opt("samples", "output folder")
-    npz: bool = opt(False, "also write samples.npz (uint8 [N, H, W, 3]) for FID tools")
+    npz: bool = opt(False, "also write samples.npz (uint8 [N, H, W, 3], video [N, T, H, W, 3]) for FID tools")
+    fps: int = opt(8, "video: frames per second of the MP4s and the GIF")
     mixed_precision: str = opt("fp32", "the model's weights and compute (the sampler's math stays fp32)",
                                _precisions)
     compile: bool = opt(False, "torch.compile each block")
@@ -181,6 +188,8 @@ class PreprocessConfig:
     dataset: str = opt("folder", "the images to encode (not latents)", _datasets)
     data_path: str | None = opt(None, "the class-folder root")
     image_size: int = opt(256, "pixels; a multiple of the VAE's downsampling")
+    num_frames: int = opt(16, "video: frames per clip")
+    frame_interval: int = opt(1, "video: take every k-th frame of the source video")
     vae: str = opt("stabilityai/sd-vae-ft-ema", "a diffusers AutoencoderKL folder or hub id")
     vae_scale: float | None = opt(None, "recorded in the manifest for training; default: the family's")
     out: str | None = opt(None, "the cache folder to write (required)")

@@ -29,7 +29,9 @@ def test_help_shows_sections_help_defaults_and_choices(script):
     if script == "sample.py":
         assert "--sampler {ddpm,ddim}" in text and "(default: 250)" in text
     if script == "preprocess.py":
-        assert "--family {dit}" in text and "--dtype {float32,float16}" in text
+        from opendit.families import FAMILIES
+
+        assert f"--family {{{','.join(FAMILIES)}}}" in text and "--dtype {float32,float16}" in text
 
 
 def test_choices_come_from_the_registries():

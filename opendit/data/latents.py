@@ -51,8 +51,8 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def shard_arrays(flip_both: bool) -> tuple[str, ...]:
-    return ARRAYS + FLIP_ARRAYS + ("label",) if flip_both else ARRAYS + ("label",)
+def shard_arrays(flip_both: bool, captions: bool = False) -> tuple[str, ...]:
+    return (ARRAYS + FLIP_ARRAYS if flip_both else ARRAYS) + ("label",) + (("caption",) if captions else ())
 
 
 def write_shard(folder: str, stem: str, arrays: dict) -> dict:
@@ -63,7 +63,8 @@ def write_shard(folder: str, stem: str, arrays: dict) -> dict:
 
 
 class LatentDataset(Dataset):
-    """item = ((mean, std) float32 [C, h, w] each, int label): the VAE posterior of one cached image.
+    """item = ((mean, std) float32 [C, h, w] each, int label): the VAE posterior of one cached image; a video
+    cache holds [C, T, h, w] per clip and, when its source had captions, items get a third field, the caption.
 
     With a --flip_both cache and random_flip, item i of epoch e is the flipped image's posterior when
     mix_seed(seed, e, i) is odd (stateless, like ImageFolderDataset). Shards are memory-mapped, so a
@@ -83,6 +84,7 @@ class LatentDataset(Dataset):
         self.num_classes = m["num_classes"]
         self.classes = m["classes"]
         self.flip_both = bool(m["flip_both"])
+        self.captions = bool(m.get("captions", False))
         self.random_flip, self.seed, self.epoch = random_flip, int(seed), 0
         self._stems = [s["stem"] for s in m["shards"]]
         self._starts = np.cumsum([0] + [s["count"] for s in m["shards"]])  # shard k holds [starts[k], starts[k+1])
@@ -94,7 +96,7 @@ class LatentDataset(Dataset):
 
     def _check_files(self) -> None:
         for stem in self._stems:
-            for key in shard_arrays(self.flip_both):
+            for key in shard_arrays(self.flip_both, self.captions):
                 if not os.path.isfile(os.path.join(self.path, f"{stem}.{key}.npy")):
                     raise FileNotFoundError(f"latent cache {self.path!r} lacks {stem}.{key}.npy; the cache is "
                                             f"damaged, rebuild it with preprocess.py")
@@ -107,7 +109,7 @@ class LatentDataset(Dataset):
             self._maps = {}
         if k not in self._maps:
             self._maps[k] = {key: np.load(os.path.join(self.path, f"{self._stems[k]}.{key}.npy"), mmap_mode="r")
-                             for key in shard_arrays(self.flip_both)}
+                             for key in shard_arrays(self.flip_both, self.captions)}
         return self._maps[k]
 
     def set_epoch(self, epoch: int) -> None:
@@ -125,4 +127,6 @@ class LatentDataset(Dataset):
         mean_key, std_key = FLIP_ARRAYS if flip else ARRAYS
         mean = torch.from_numpy(np.array(arrays[mean_key][i], dtype=np.float32))
         std = torch.from_numpy(np.array(arrays[std_key][i], dtype=np.float32))
+        if self.captions:
+            return (mean, std), int(arrays["label"][i]), str(arrays["caption"][i])
         return (mean, std), int(arrays["label"][i])

@@ -78,3 +78,33 @@ def decode(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0
     param = next(vae.parameters())
     z = (z.to(device=param.device, dtype=param.dtype) / scale) + shift
     return vae.decode(z).sample.float().clamp_(-1.0, 1.0)
+
+
+def _frames(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B*T, C, H, W] (frame-major per clip)."""
+    return x.permute(0, 2, 1, 3, 4).flatten(0, 1)
+
+
+def _clips(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B*T, C, H, W] -> [B, C, T, H, W]."""
+    return x.unflatten(0, (batch, -1)).permute(0, 2, 1, 3, 4)
+
+
+@torch.no_grad()
+def posterior_frames(vae, x: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips x [B, 3, T, H, W] in [-1, 1] -> the 2-D VAE's posterior (mean, std), float32 [B, C, T, h, w] on x's
+    device, unscaled; `chunk` frames per encoder call bound the memory."""
+    param = next(vae.parameters())
+    frames = _frames(x).to(device=param.device, dtype=param.dtype)
+    parts = [vae.encode(f).latent_dist for f in frames.split(chunk)]
+    mean = torch.cat([p.mean for p in parts]).float()
+    std = torch.cat([p.std for p in parts]).float()
+    return _clips(mean, x.shape[0]).to(x.device), _clips(std, x.shape[0]).to(x.device)
+
+
+@torch.no_grad()
+def decode_frames(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0,
+                  chunk: int = 64) -> torch.Tensor:
+    """Scaled latent clips z [B, C, T, h, w] -> float32 clips [B, 3, T, H, W] in [-1, 1], frame by frame."""
+    frames = torch.cat([decode(vae, f, scale=scale, shift=shift) for f in _frames(z).split(chunk)])
+    return _clips(frames, z.shape[0])

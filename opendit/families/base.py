@@ -33,6 +33,14 @@ class ModelSpec:
     def num_heads(self) -> int:
         return self.arch["num_heads"]
 
+    @property
+    def sp_kinds(self) -> tuple[str, ...]:
+        """The sequence-parallel methods the model implements (its class's `sp_kinds`; default FastSeq and
+        Ulysses, which every model built on opendit.models.layers.Attention gets)."""
+        from opendit.parallel.plan import HEAD_KINDS
+
+        return getattr(self.constructor, "sp_kinds", HEAD_KINDS)
+
 
 @runtime_checkable
 class DiffusionModel(Protocol):
@@ -100,6 +108,7 @@ class ModelFamily:
     models: Mapping[str, ModelSpec] = {}
     datasets: tuple[str, ...] = ()  # --dataset values it trains on
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
+    cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def resolve_config(self, cfg):
@@ -159,6 +168,10 @@ class ModelFamily:
         raise NotImplementedError
 
     # ---- caching (preprocess.py) ---------------------------------------------------------------------------
+    def cache_encoders(self, cfg, device: torch.device):
+        """The encoders preprocess.py runs (cfg: an opendit.config.PreprocessConfig)."""
+        raise NotImplementedError(f"model family {self.name!r} has no latent cache")
+
     def cache_source(self, cfg, encoders):
         """The dataset preprocess.py encodes (cfg: an opendit.config.PreprocessConfig): items (x, label)."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")

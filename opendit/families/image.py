@@ -4,19 +4,18 @@ labels, and PNG / npz outputs. A family built on it (DiT, or a test's toy model)
 model is built from the latent shape, and its FLOP count.
 """
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from opendit.data import build_dataset, read_manifest
 from opendit.diffusion import SAMPLERS, GaussianSampler
 from opendit.encoders.vae import SD_VAE_SCALE, decode, load_vae, vae_geometry
 from opendit.families.base import ModelFamily
+from opendit.families.writers import ImageWriter
 from opendit.training.objective import DiffusionObjective
 
 
@@ -36,12 +35,13 @@ def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -
     return image_size // factor, (data_channels if vae is None else latent_channels)
 
 
-def settings_from_cache(cfg):
-    """--dataset latents: image size, VAE and scale come from the cache's manifest (the class count from the
-    dataset, later). A flag left out is taken from it; one given that disagrees is an error."""
+def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale")):
+    """--dataset latents: image size, VAE and scale (and the family's cache_keys) come from the cache's manifest
+    (the class count from the dataset, later). A flag left out is taken from it; one given that disagrees is
+    an error."""
     manifest = read_manifest(cfg.data_path)
     updates = {}
-    for key in ("image_size", "vae", "vae_scale"):
+    for key in keys:
         given, cached = getattr(cfg, key), manifest[key]
         if given is None or given == cached or (key == "vae" and given.lower() == "none"):
             updates[key] = cached
@@ -67,7 +67,7 @@ class ImageDiffusionFamily(ModelFamily):
         if cfg.dataset not in self.datasets:
             raise ValueError(f"unknown dataset {cfg.dataset!r} for {cfg.model}; valid names: {', '.join(self.datasets)}")
         if cfg.dataset == "latents":
-            cfg = settings_from_cache(cfg)
+            cfg = settings_from_cache(cfg, ("image_size", "vae", "vae_scale") + self.cache_keys)
         return self._defaults(cfg)
 
     def _defaults(self, cfg):
@@ -155,27 +155,39 @@ class ImageDiffusionFamily(ModelFamily):
     def sample_latents(self, loaded, sampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
         """The sampler's output for global indices: float32 [n, *latent_shape] on device. Noise comes from a
         generator seeded by (seed, first index), so a batch is the same on any rank."""
-        model, cfg = loaded.model, loaded.cfg
+        model = loaded.model
         gen = torch.Generator().manual_seed(sample_cfg.seed * 1_000_003 + indices.start)
         n = len(indices)
         z = torch.randn(n, *loaded.latent_shape, generator=gen).to(device)
-        net, kwargs = model, {}  # model(...), not model.forward: input/output hooks (dtype casts) must run
-        if self.class_conditional:
-            y = torch.tensor([conditions[i % len(conditions)] for i in indices], device=device)
-            kwargs = {"y": y}
-            if sample_cfg.cfg_scale > 1.0:  # [cond; uncond] halves, the second with the null class
-                z = torch.cat([z, z])
-                kwargs = {"y": torch.cat([y, torch.full_like(y, cfg.num_classes)]), "cfg_scale": sample_cfg.cfg_scale}
-                net = model.forward_with_cfg
+        kwargs = self.condition_inputs(loaded, [conditions[i % len(conditions)] for i in indices], device)
+        net = model  # model(...), not model.forward: input/output hooks (dtype casts) must run
+        if kwargs and sample_cfg.cfg_scale > 1.0:  # [cond; uncond] halves, the second with the null condition
+            null = self.null_inputs(loaded, n, device)
+            z = torch.cat([z, z])
+            kwargs = {**{k: torch.cat([v, null[k]]) for k, v in kwargs.items()}, "cfg_scale": sample_cfg.cfg_scale}
+            net = model.forward_with_cfg
 
         def fn(x, t, **kw):  # the sampler's math stays fp32 whatever the model's dtype
             return net(x, t, **kw).float()
         return sampler(fn, z, kwargs, device=device, generator=gen)[:n].float()
 
+    def condition_inputs(self, loaded, picked: list, device) -> dict:
+        """The model's keyword inputs for one condition per sample ({} when unconditional)."""
+        if not self.class_conditional:
+            return {}
+        return {"y": torch.tensor(picked, device=device)}
+
+    def null_inputs(self, loaded, n: int, device) -> dict:
+        """The unconditional inputs of classifier-free guidance: the null class."""
+        return {"y": torch.full((n,), loaded.cfg.num_classes, device=device)}
+
     def writer(self, out_dir, sample_cfg, cfg) -> "ImageWriter":
         return ImageWriter(Path(out_dir), npz=sample_cfg.npz)
 
     # ---- caching -------------------------------------------------------------------------------------------
+    def cache_encoders(self, cfg, device) -> ImageEncoders:
+        return ImageEncoders(vae=load_vae(cfg.vae, device))
+
     def cache_source(self, cfg, encoders: ImageEncoders):
         """The images preprocess.py encodes: (x [3, H, W] in [-1, 1], label), no random flips."""
         factor, _ = vae_geometry(encoders.vae)
@@ -194,43 +206,3 @@ class ImageDiffusionFamily(ModelFamily):
         param = next(vae.parameters())
         posterior = vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
         return {"mean": posterior.mean.float().cpu(), "std": posterior.std.float().cpu()}
-
-
-def save_png(image: np.ndarray, path: Path) -> None:
-    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
-
-
-def write_grid(paths: list[Path], out: Path, ncol: int) -> None:
-    images = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
-    h, w, _ = images[0].shape
-    rows = (len(images) + ncol - 1) // ncol
-    grid = np.full((rows * (h + 2) + 2, ncol * (w + 2) + 2, 3), 255, np.uint8)
-    for i, im in enumerate(images):
-        r, c = divmod(i, ncol)
-        grid[2 + r * (h + 2): 2 + r * (h + 2) + h, 2 + c * (w + 2): 2 + c * (w + 2) + w] = im
-    Image.fromarray(grid).save(out)
-
-
-class ImageWriter:
-    """images/NNNNNN.png per sample; then grid.png (one column per condition, up to 16) and samples.npz."""
-
-    def __init__(self, out: Path, npz: bool = False):
-        self.out, self.npz = out, npz
-        (out / "images").mkdir(parents=True, exist_ok=True)
-
-    def path(self, index: int) -> Path:
-        return self.out / "images" / f"{index:06d}.png"
-
-    def write(self, index: int, image: np.ndarray) -> None:
-        save_png(image, self.path(index))
-
-    def finish(self, num: int, conditions: list) -> list[str]:
-        paths = [self.path(i) for i in range(num)]
-        ncol = min(len(conditions), 16) if len(conditions) > 1 else math.isqrt(num)
-        write_grid(paths[:256], self.out / "grid.png", ncol=max(ncol, 1))
-        written = ["grid.png", "images/"]
-        if self.npz:  # uint8 [N, H, W, 3], the layout of ADM's evaluation suite
-            arr = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
-            np.savez(self.out / "samples.npz", arr_0=arr)
-            written.append("samples.npz")
-        return written

@@ -81,8 +81,9 @@ class Trainer:
         validate_optimizer(self.optim_opts, plugin=cfg.plugin, world_size=self.dist.world_size,
                            mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
                            blocks_to_swap=cfg.blocks_to_swap)
+        spec = self.family.models[cfg.model]
         self.sp_kind = validate_sp(self.dist.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
-                                   self.family.models[cfg.model].num_heads)
+                                   spec.num_heads, kinds=spec.sp_kinds)
         if cfg.grad_accum < 1 or cfg.batch_size % (booster.dp_size * cfg.grad_accum):
             raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
                              f"{booster.dp_size} x --grad_accum {cfg.grad_accum}")
