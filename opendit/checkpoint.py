@@ -332,11 +332,12 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(path: str, key: str | None = None) -> dict[str, torch.Tensor]:
+def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[str, torch.Tensor]:
     """{official fqn: tensor} on the CPU from a .safetensors export, an official DiT .pt (a plain state_dict
     or a training checkpoint {"model", "ema", ...}), a step directory, or a diffusers DiT folder (model folder
     with config.json, or pipeline folder with transformer/; converted to official keys). `key` picks "ema" or
-    "model"; default: the EMA when the file has one (sampling wants the EMA). No collective inside."""
+    "model"; default: the EMA when the file has one (sampling wants the EMA). mmap: map a .pt's tensors
+    instead of reading them (cheap for looking at keys and shapes). No collective inside."""
     from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
 
     if is_diffusers_dir(path):
@@ -356,7 +357,7 @@ def load_weights(path: str, key: str | None = None) -> dict[str, torch.Tensor]:
 
         return load_file(path, device="cpu")
     with torch.serialization.safe_globals([argparse.Namespace]):  # DiT's train.py stores its args
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     if isinstance(obj, dict) and ("ema" in obj or "model" in obj):
         chosen = key or ("ema" if "ema" in obj else "model")
         if chosen not in obj:

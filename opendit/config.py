@@ -142,8 +142,9 @@ class TrainConfig:
     enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
     enable_flashattn: bool = opt(False, "FlashAttention (flash-attn 3 or 2 when installed), else SDPA")
     sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks; 1: off")
-    sequence_parallel_type: str = opt("auto", "auto picks the smaller communication volume: fastseq at 2 "
-                                              "ranks, ulysses above", _sp_kinds)
+    sequence_parallel_type: str = opt("auto", "auto picks the model's method with the smaller communication "
+                                              "volume: fastseq at 2 ranks, ulysses above (DiT, VDiT); dsp for "
+                                              "Latte", _sp_kinds)
 
 
 @dataclass
@@ -178,7 +179,7 @@ class SampleConfig:
     enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate")
     enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
     sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun)")
-    sequence_parallel_type: str = opt("auto", "fastseq, ulysses, or auto (by group size)", _sp_kinds)
+    sequence_parallel_type: str = opt("auto", "fastseq, ulysses (DiT, VDiT), dsp (Latte), or auto", _sp_kinds)
 
 
 @dataclass

@@ -90,3 +90,17 @@ def test_booster_wraps_the_blocks_a_family_declares(tmp_path):
 
     trainer, losses = run_trainer(toy_cfg(tmp_path, plugin="zero2", grad_checkpoint=1, max_steps=2))
     assert all(isinstance(layer, FSDPModule) for layer in trainer.model.layers) and all(np.isfinite(losses))
+
+
+def test_an_official_dit_pt_is_named_and_sized_from_its_shapes(tmp_path):
+    """DiT-XL-2-512x512.pt needs no --image_size: the model, classes, sigma and size come from the shapes."""
+    from opendit.families.dit import DiTFamily
+    from opendit.models import build_model
+
+    model = build_model("DiT-S/4", input_size=64, num_classes=1000)
+    torch.save(model.state_dict(), tmp_path / "DiT-S-4-512x512.pt")
+    settings, state = DiTFamily().recognize_checkpoint(str(tmp_path / "DiT-S-4-512x512.pt"))
+    assert state is None and settings["model"] == "DiT-S/4" and settings["image_size"] == 512
+    assert settings["num_classes"] == 1000 and settings["learn_sigma"] and settings["vae"] == "stabilityai/sd-vae-ft-ema"
+    torch.save({"temp_embed": torch.zeros(1), "pos_embed": torch.zeros(1)}, tmp_path / "latte.pt")
+    assert DiTFamily().recognize_checkpoint(str(tmp_path / "latte.pt")) is None  # not a DiT: the video family's

@@ -133,3 +133,25 @@ def test_torchrun_video_sequence_parallel_training_equals_one_process(tmp_path, 
     name = model.replace("/", "-")
     np.testing.assert_allclose(losses_of(tmp_path / "sp" / f"000-{name}"), losses_of(tmp_path / "one" / f"000-{name}"),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_classes", [5, 0])
+def test_an_official_latte_pt_is_named_and_sized_from_its_shapes(tmp_path, num_classes):
+    """A Latte release (.pt with {"ema": state_dict}, no config) samples with no --model: name, frames, classes
+    (0: Latte's unconditional releases) and sigma come from the tensor shapes."""
+    from opendit.inference import load_model
+    from opendit.models import build_model
+
+    torch.manual_seed(0)
+    latte = build_model("Latte-debug", input_size=(4, 8, 8), in_channels=4, num_classes=num_classes)
+    torch.save({"ema": latte.state_dict(), "model": latte.state_dict()}, tmp_path / "latte.pt")
+    cfg = cfglib.SampleConfig(ckpt=str(tmp_path / "latte.pt"), vae="none", image_size=8, in_channels=4,
+                              num_sampling_steps=2, cfg_scale=1.0)  # no VAE offline: sample its latent space
+    loaded = load_model(cfg, torch.device("cpu"))
+    run = loaded.cfg
+    assert (run.model, run.num_frames, run.num_classes, run.learn_sigma) == ("Latte-debug", 4, num_classes, True)
+    conditions = loaded.family.conditions(cfg, run)
+    assert conditions == ([None] if num_classes == 0 else list(range(5)))
+    clips = loaded.family.sample_batch(loaded, loaded.family.make_sampler(cfg, run), range(2), conditions, cfg,
+                                       torch.device("cpu"))
+    assert clips.shape == (2, 4, 8, 8, 4)  # latent space itself: 4 channels

@@ -54,20 +54,24 @@ class GaussianSampler:
     """DDPM or DDIM sampling, in `steps` respaced steps, of a model trained with create_diffusion().
 
     Call: sampler(model_fn, z, model_kwargs, device, generator) -> x_0 of z's shape, starting from z = x_T.
+    clip_denoised: clamp each step's x_0 prediction to [-1, 1], right for data known to lie there (pixels; ADM
+    does it), wrong for VAE latents (DiT does not).
     """
 
-    def __init__(self, name: str = "ddpm", steps: int = 250, learn_sigma: bool = True, eta: float = 0.0):
+    def __init__(self, name: str = "ddpm", steps: int = 250, learn_sigma: bool = True, eta: float = 0.0,
+                 clip_denoised: bool = False):
         if name not in SAMPLERS:
             raise ValueError(f"--sampler {name!r}: valid choices are {', '.join(SAMPLERS)}")
-        self.name, self.steps, self.eta = name, steps, eta
+        self.name, self.steps, self.eta, self.clip_denoised = name, steps, eta, clip_denoised
         self.diffusion = create_diffusion(f"ddim{steps}" if name == "ddim" else str(steps), learn_sigma=learn_sigma)
 
     def __call__(self, model_fn, z, model_kwargs, device=None, generator=None, progress=False) -> torch.Tensor:
         if self.name == "ddpm":
             return self.diffusion.p_sample_loop(model_fn, z.shape, z, model_kwargs, device=device,
-                                                generator=generator, progress=progress)
+                                                generator=generator, progress=progress,
+                                                clip_denoised=self.clip_denoised)
         return self.diffusion.ddim_sample_loop(model_fn, z.shape, z, model_kwargs, device=device, generator=generator,
-                                               eta=self.eta, progress=progress)
+                                               eta=self.eta, progress=progress, clip_denoised=self.clip_denoised)
 
 
 __all__ = [

@@ -65,6 +65,13 @@ class DiffusionModel(Protocol):
     def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, cfg_scale: float, **cond) -> torch.Tensor: ...
 
 
+def match_registry(models: Mapping[str, ModelSpec], **arch) -> str | None:
+    """The registered name whose architecture has these values (e.g. depth, hidden_size, patch_size), or None:
+    how a checkpoint without a config is named from its tensor shapes."""
+    found = [name for name, spec in models.items() if all(spec.arch.get(k) == v for k, v in arch.items())]
+    return found[0] if found else None
+
+
 def check_model_contract(model: nn.Module, name: str) -> None:
     """A clear error when a family's model misses part of the DiffusionModel contract."""
     missing = [m for m in ("set_kernels", "enable_sequence_parallel", "forward_with_cfg", "_block_lists")

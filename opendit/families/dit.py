@@ -6,7 +6,8 @@ Besides opendit's own checkpoints, sampling reads what the DiT release and diffu
 """
 from pathlib import Path
 
-from opendit.families.base import ModelSpec
+from opendit.checkpoint import load_weights
+from opendit.families.base import ModelSpec, match_registry
 from opendit.families.image import ImageDiffusionFamily
 from opendit.models.dit import DiT
 
@@ -52,6 +53,20 @@ class DiTFamily(ImageDiffusionFamily):
             if spec["name"] is not None:
                 settings["model"] = spec["name"]
             return settings, state
-        if Path(path).suffix == ".pt":  # DiT-XL-2-256x256.pt; pass --image_size 512 for the 512 model
-            return dict(OFFICIAL_DEFAULTS, image_size=256), None
+        if Path(path).suffix == ".pt":  # DiT-XL-2-256x256.pt, DiT-XL-2-512x512.pt
+            state = load_weights(path, mmap=True)  # keys and shapes only: the tensors stay on disk
+            return (settings_from_shapes(state), None) if "pos_embed" in state and "temp_embed" not in state else None
         return None
+
+
+def settings_from_shapes(state: dict) -> dict:
+    """An official DiT state dict -> the settings it was trained with: the model name (by depth, width and
+    patch), classes (embedding rows - 1), learned sigma, and the image size (latent side x 8, SD's VAE)."""
+    hidden, patch = state["pos_embed"].shape[-1], state["x_embedder.proj.weight"].shape[-1]
+    depth = sum(1 for k in state if k.endswith(".attn.qkv.weight"))
+    in_channels = state["x_embedder.proj.weight"].shape[1]
+    side = int(state["pos_embed"].shape[1] ** 0.5) * patch
+    name = match_registry(DIT_MODELS, depth=depth, hidden_size=hidden, patch_size=patch)
+    return dict(OFFICIAL_DEFAULTS, image_size=side * 8, num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1,
+                learn_sigma=state["final_layer.linear.weight"].shape[0] == 2 * in_channels * patch * patch,
+                **({"model": name} if name else {}))

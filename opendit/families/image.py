@@ -140,8 +140,9 @@ class ImageDiffusionFamily(ModelFamily):
         return labels
 
     def make_sampler(self, sample_cfg, cfg) -> GaussianSampler:
+        # pixel-space models know their data lies in [-1, 1]: clamping x_0 keeps an early model from diverging
         return GaussianSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, cfg.learn_sigma,
-                               eta=sample_cfg.ddim_eta)
+                               eta=sample_cfg.ddim_eta, clip_denoised=cfg.vae.lower() == "none")
 
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:

@@ -15,7 +15,8 @@ import torch
 from opendit.data import build_dataset
 from opendit.encoders.text import load_text_encoder, text_encoder_dim
 from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
-from opendit.families.base import ModelSpec
+from opendit.checkpoint import load_weights
+from opendit.families.base import ModelSpec, match_registry
 from opendit.families.image import ImageDiffusionFamily, latent_geometry
 from opendit.families.writers import VideoWriter
 from opendit.models.latte import Latte
@@ -149,10 +150,34 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
                                        cfg.class_dropout_prob)
 
     # ---- sampling ------------------------------------------------------------------------------------------
+    def recognize_checkpoint(self, path: str):
+        """An official class-conditional Latte .pt (e.g. Latte's UCF-101 release): settings from its shapes."""
+        if Path(path).suffix != ".pt":
+            return None
+        state = load_weights(path, mmap=True)  # keys and shapes only: the tensors stay on disk
+        if "temp_embed" not in state:
+            return None
+        hidden, patch = state["pos_embed"].shape[-1], state["x_embedder.proj.weight"].shape[-1]
+        depth = sum(1 for k in state if k.endswith(".attn.qkv.weight"))
+        name = match_registry(VIDEO_MODELS, depth=depth, hidden_size=hidden, patch_size=patch)
+        side = int(state["pos_embed"].shape[1] ** 0.5) * patch
+        in_channels = state["x_embedder.proj.weight"].shape[1]
+        settings = dict(dataset="video_csv", vae="stabilityai/sd-vae-ft-ema", image_size=side * 8,
+                        num_frames=state["temp_embed"].shape[1],
+                        # Latte's unconditional releases (FaceForensics, SkyTimelapse, Taichi) have no y_embedder
+                        num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1
+                        if "y_embedder.embedding_table.weight" in state else 0,
+                        learn_sigma=state["final_layer.linear.weight"].shape[0] == 2 * in_channels * patch * patch)
+        return ({**settings, "model": name} if name else settings), None
+
     def conditions(self, sample_cfg, cfg) -> list:
         if cfg.clip.lower() == "none":
             if sample_cfg.prompts:
                 raise ValueError(f"--prompts: {cfg.model} was trained on class labels; pass --class_labels")
+            if not cfg.num_classes:  # an unconditional model (e.g. an official unconditional Latte)
+                if sample_cfg.class_labels:
+                    raise ValueError(f"--class_labels: {cfg.model} is unconditional; leave them out")
+                return [None]
             return super().conditions(sample_cfg, cfg)
         if not sample_cfg.prompts:
             raise ValueError(f"{cfg.model} was trained on captions (--clip {cfg.clip}); pass --prompts \"...\"")
@@ -161,6 +186,8 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
         return list(sample_cfg.prompts)
 
     def condition_inputs(self, loaded, picked: list, device) -> dict:
+        if picked[0] is None:  # unconditional
+            return {}
         if loaded.encoders.text is None:
             return super().condition_inputs(loaded, picked, device)
         return {"text": loaded.encoders.text(picked).to(device)}

@@ -1,6 +1,8 @@
 """What sampling writes, per kind of sample: images (PNG each, a grid, an npz) and clips (MP4 and a lossless
 PNG strip each, a grid, an animated GIF, an npz). Each process writes its own samples with write(index,
 sample); rank 0 calls finish(num, conditions) once all have."""
+import importlib.util
+import logging
 import math
 from pathlib import Path
 
@@ -8,6 +10,8 @@ import numpy as np
 from PIL import Image
 
 from opendit.data.video_io import write_gif, write_mp4
+
+logger = logging.getLogger("opendit")
 
 
 def save_png(image: np.ndarray, path: Path) -> None:
@@ -55,6 +59,9 @@ class VideoWriter:
 
     def __init__(self, out: Path, npz: bool = False, fps: int = 8):
         self.out, self.npz, self.fps = out, npz, fps
+        self.mp4 = importlib.util.find_spec("av") is not None
+        if not self.mp4:  # the lossless strips, the grids and the npz need no PyAV
+            logger.warning("PyAV is not installed: no MP4s, only strips/, grid.png and grid.gif (pip install av)")
         for sub in ("videos", "strips"):
             (out / sub).mkdir(parents=True, exist_ok=True)
 
@@ -64,7 +71,8 @@ class VideoWriter:
     def write(self, index: int, clip: np.ndarray) -> None:
         """clip uint8 [T, H, W, C]."""
         frames = _rgb(clip)
-        write_mp4(self.out / "videos" / f"{index:06d}.mp4", frames, fps=self.fps)
+        if self.mp4:
+            write_mp4(self.out / "videos" / f"{index:06d}.mp4", frames, fps=self.fps)
         Image.fromarray(np.concatenate(list(frames), axis=1)).save(self.strip_path(index))
 
     def _clip(self, index: int, frames: int) -> np.ndarray:
@@ -79,7 +87,7 @@ class VideoWriter:
         ncol = math.ceil(math.sqrt(len(clips)))
         tiles = np.stack([_tile([c[t] for c in clips], ncol) for t in range(frames)])  # [T, H', W', 3]
         write_gif(self.out / "grid.gif", tiles, fps=self.fps)
-        written = ["videos/", "strips/", "grid.png", "grid.gif"]
+        written = (["videos/"] if self.mp4 else []) + ["strips/", "grid.png", "grid.gif"]
         if self.npz:
             np.savez(self.out / "samples.npz", arr_0=np.stack([self._clip(i, frames) for i in range(num)]))
             written.append("samples.npz")

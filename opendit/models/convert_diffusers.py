@@ -207,12 +207,10 @@ def _config_to_kwargs(config: dict, folder: str) -> dict:
 
 def _registry_name(kwargs: dict) -> str | None:
     """The registered name whose (depth, hidden, heads, patch) match, e.g. "DiT-XL/2"; None when none does."""
+    from opendit.families.base import match_registry
     from opendit.families.dit import DIT_MODELS
 
-    for name, spec in DIT_MODELS.items():
-        if all(spec.arch.get(k) == kwargs[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")):
-            return name
-    return None
+    return match_registry(DIT_MODELS, **{k: kwargs[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")})
 
 
 def load_diffusers_dit(path: str) -> tuple[dict, dict]:
