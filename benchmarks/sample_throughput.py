@@ -141,11 +141,13 @@ def run_variant(spec, args, device, ctx, batch):
     timed = SampleConfig(cfg_scale=args.cfg_scale, num_sampling_steps=args.steps, sampler=args.sampler,
                          seed=args.seed, mixed_precision=spec["weights"])
     labels = list(range(run.num_classes))  # sample i gets class i
+    # the latents stand for SD-VAE ones, which DiT's sampler never clamps (only pixel-space runs clamp x_0)
+    latent_run = dataclasses.replace(run, vae="stabilityai/sd-vae-ft-ema")
 
     def sample(cfg):  # -> float32 [batch, *shape] on device; noise depends only on (seed, indices)
         amp = torch.autocast(device.type, torch.bfloat16) if spec.get("autocast") else contextlib.nullcontext()
         with amp:
-            return family.sample_latents(loaded, family.make_sampler(cfg, run), range(batch), labels, cfg, device)
+            return family.sample_latents(loaded, family.make_sampler(cfg, latent_run), range(batch), labels, cfg, device)
 
     t0 = time.perf_counter()
     if args.warmup_steps:

@@ -63,6 +63,20 @@ def motion(clips: np.ndarray) -> dict:
             "steps_at_most_2px": float((step <= 2.0).mean())}
 
 
+def train(a) -> str:
+    """Train the demo recipe -> its last checkpoint folder."""
+    from opendit.training.loop import Trainer
+
+    train_cfg = cfglib.TrainConfig(model=a.model, dataset="moving_digits", image_size=a.image_size,
+                                   num_frames=a.num_frames, vae="none", batch_size=a.batch_size, lr=a.lr,
+                                   ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
+                                   log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs,
+                                   global_seed=a.seed)
+    trainer = Trainer(train_cfg)
+    trainer.train()
+    return str(sorted((trainer.run_dir / "checkpoints").glob("step-*"))[-1])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Latte-Ti/4")
@@ -75,25 +89,18 @@ def main():
     p.add_argument("--samples_per_class", type=int, default=5)
     p.add_argument("--cfg_scale", type=float, default=2.0)
     p.add_argument("--sampling_steps", type=int, default=50)
+    p.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim"))
     p.add_argument("--outputs", default="outputs/video_quality")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one")
     a = p.parse_args()
 
-    from opendit.training.loop import Trainer
-
     t0 = time.time()
-    train_cfg = cfglib.TrainConfig(model=a.model, dataset="moving_digits", image_size=a.image_size,
-                                   num_frames=a.num_frames, vae="none", batch_size=a.batch_size, lr=a.lr,
-                                   ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
-                                   log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs,
-                                   global_seed=a.seed)
-    trainer = Trainer(train_cfg)
-    trainer.train()
+    ckpt = a.ckpt or train(a)
     train_s = time.time() - t0
-    ckpt = sorted((trainer.run_dir / "checkpoints").glob("step-*"))[-1]
 
     sample_cfg = cfglib.SampleConfig(ckpt=str(ckpt), cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
-                                     sampler="ddpm", seed=a.seed)
+                                     sampler=a.sampler, seed=a.seed)
     device = torch.device("cpu")
     loaded = load_model(sample_cfg, device)
     family = loaded.family

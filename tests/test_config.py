@@ -29,9 +29,8 @@ def test_help_shows_sections_help_defaults_and_choices(script):
     if script == "sample.py":
         assert "--sampler {ddpm,ddim}" in text and "(default: 250)" in text
     if script == "preprocess.py":
-        from opendit.families import FAMILIES
-
-        assert f"--family {{{','.join(FAMILIES)}}}" in text and "--dtype {float32,float16}" in text
+        # the built-in families (a test may have registered more in this process, not in the script's)
+        assert "--family {dit,video}" in text and "--dtype {float32,float16}" in text
 
 
 def test_choices_come_from_the_registries():

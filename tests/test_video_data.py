@@ -305,7 +305,7 @@ def test_moving_digits_items_deterministic_and_labelled():
 def test_moving_digits_move_by_the_step_and_bounce_inside(image_size, num_frames, frame_interval):
     ds = MovingDigitsDataset(image_size=image_size, num_frames=num_frames, frame_interval=frame_interval)
     speed = max(1, image_size // 16) * frame_interval
-    limit = image_size - image_size // 2
+    limit = image_size - 3 * image_size // 4
     ys, xs = torch.meshgrid(torch.arange(image_size, dtype=torch.float32),
                             torch.arange(image_size, dtype=torch.float32), indexing="ij")  # [S, S] each
     bounces = 0
