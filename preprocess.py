@@ -6,7 +6,8 @@ latents instead of running them.
     torchrun --nproc_per_node 8 preprocess.py ...          # each rank encodes a contiguous slice
     python train.py --dataset latents --data_path cache/imagenet256 --model DiT-XL/2
 
-Stores the posterior mean and std of every image (and of its horizontal flip with --flip_both);
+Stores the posterior mean and std of every image (and of its horizontal flip with --flip_both), and for FLUX
+(--family flux --t5 ... --clip ...) each caption's T5 token embeddings and pooled CLIP vector;
 see opendit/data/latents.py for the layout. Unreadable images are skipped and counted.
 """
 import json
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from opendit import config as cfglib
-from opendit.data.latents import CACHE_DTYPES, CACHE_VERSION, MANIFEST, PARTIAL_SUFFIX, write_shard
+from opendit.data.latents import CACHE_DTYPES, CACHE_VERSION, MANIFEST, PARTIAL_SUFFIX, TEXT_ARRAYS, write_shard
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
 from opendit.families import get_family
 
@@ -49,9 +50,9 @@ def _progress(done, total, start, skipped):
 
 
 def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers):
-    """Encode dataset[indices] with encode(x) -> {"mean", "std"} into shards r<rank>-<k> under folder
-    -> (shard entries, skipped count, per-item latent shape or None when nothing was encoded). Captions (video
-    sources that have them) are stored beside the labels."""
+    """Encode dataset[indices] with encode(x, captions) -> {"mean", "std"[, text embeddings]} into shards
+    r<rank>-<k> under folder -> (shard entries, skipped count, per-item latent shape or None when nothing was
+    encoded). Captions (sources that have them) are stored beside the labels."""
     loader = torch.utils.data.DataLoader(_Tagged(dataset, indices), batch_size=batch_size, num_workers=num_workers)
     shards, buf, skipped, done, start, last, shape = [], {}, 0, 0, time.time(), 0.0, None
 
@@ -59,7 +60,7 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
             shards.append({**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
-                           "captions": "caption" in arrays})
+                           "captions": "caption" in arrays, "embeddings": [k for k in TEXT_ARRAYS if k in arrays]})
         buf.clear()
 
     for *item, ok in loader:
@@ -67,9 +68,9 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
         x, y = item[0][ok], item[1][ok]
         captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
         if len(y):
-            parts = encode(x)
-            if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image
-                parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1)).items()})
+            parts = encode(x, captions)
+            if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image; captions stay
+                parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1), None).items()})
             shape = list(parts["mean"].shape[1:])
             for key, value in parts.items():
                 buf.setdefault(key, []).append(value.numpy().astype(dtype))
@@ -92,6 +93,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     """Encode the dataset into the cache folder cfg.out (all ranks call this) -> the manifest."""
     info = init_distributed()
     family = get_family(cfg.family)
+    cfg = family.resolve_cache_config(cfg)
     out = str(cfg.out).rstrip("/")
     if cfg.dtype not in CACHE_DTYPES:
         raise ValueError(f"--dtype {cfg.dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
@@ -109,14 +111,17 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     # contiguous, deterministic slices: the cache's item order is the dataset's, whatever the world size
     n, w, r = len(dataset), info.world_size, info.rank
     indices = list(range(r * n // w, (r + 1) * n // w))
-    shards, skipped, shape = encode_slice(lambda x: family.cache_encode(encoders, x), dataset, indices, partial, r,
+    shards, skipped, shape = encode_slice(lambda x, c: family.cache_encode(encoders, x, c), dataset, indices, partial, r,
                                           cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
                                           cfg.num_workers)
     gathered = [None] * w
     dist.all_gather_object(gathered, (shards, skipped, shape))
     manifest = None
     if r == 0:
-        manifest = _write_manifest(cfg, family, dataset, partial, gathered)
+        extras = family.cache_extras(encoders)
+        for key, value in extras.items():
+            np.save(os.path.join(partial, f"extra.{key}.npy"), value.numpy().astype(cfg.dtype))
+        manifest = _write_manifest(cfg, family, dataset, partial, gathered, sorted(extras))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(partial, out)
@@ -124,7 +129,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     return broadcast_object(manifest)
 
 
-def _write_manifest(cfg, family, dataset, folder, gathered) -> dict:
+def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
     shapes = [s for _, _, s in gathered if s is not None]
     if not shapes:
         raise ValueError(f"no item of --dataset {cfg.dataset} could be read; nothing to cache")
@@ -138,6 +143,7 @@ def _write_manifest(cfg, family, dataset, folder, gathered) -> dict:
         classes=list(getattr(dataset, "classes", [str(c) for c in range(dataset.num_classes)])),
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),
         flip_both=bool(cfg.flip_both), dtype=cfg.dtype, captions=bool(all_shards) and all_shards[0]["captions"],
+        embeddings=all_shards[0]["embeddings"] if all_shards else [], extras=extras,
         **{key: getattr(cfg, key) for key in family.cache_keys}, source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
         shards=all_shards)
     with open(os.path.join(folder, MANIFEST), "w") as f:

@@ -31,6 +31,7 @@ def main(cfg: cfglib.SampleConfig) -> None:
     set_tf32(info.device)
     loaded = load_model(cfg, info.device)
     family, run = loaded.family, loaded.cfg
+    cfg = family.sample_defaults(cfg, run)
     dp_rank, dp_size, writes = info.rank, info.world_size, True
     if cfg.sequence_parallel_size > 1:  # ranks of one SP group share each batch and split its tokens
         spec = family.models[run.model]

@@ -67,6 +67,11 @@ def _sp_kinds():
     return [*KINDS, "auto"]
 
 
+def _timestep_samplings():
+    from opendit.diffusion.flow import TIMESTEP_SAMPLINGS
+    return list(TIMESTEP_SAMPLINGS)
+
+
 def _cache_dtypes():
     from opendit.data.latents import CACHE_DTYPES
     return list(CACHE_DTYPES)
@@ -102,8 +107,19 @@ class TrainConfig:
     num_frames: int | None = opt(None, "video: frames per clip; default: a latent cache's, else 16")
     frame_interval: int | None = opt(None, "video: take every k-th frame of the source video; default: a "
                                            "cache's, else 1")
-    clip: str = opt("none", "video: a local CLIP text encoder folder (transformers save_pretrained layout); "
-                            "captions then condition instead of class labels")
+    clip: str = opt("none", "a local CLIP text encoder folder (transformers save_pretrained layout, or a "
+                            "pipeline folder with text_encoder/); video: captions then condition instead of "
+                            "class labels; FLUX: the pooled vector (CLIP-L), required")
+    t5: str = opt("none", "FLUX: a local T5 encoder folder (T5EncoderModel + tokenizer, or a pipeline folder with "
+                          "text_encoder_2/), required")
+    t5_max_length: int | None = opt(None, "FLUX: T5 tokens per caption; default: a cache's, else the model's "
+                                          "(flux-dev 512, flux-schnell 256, flux-debug 16)")
+    text_dropout_prob: float = opt(0.447, "FLUX: each text encoder's output is replaced by the empty caption's "
+                                          "this often, independently (0.447: about 20%% of samples see neither)")
+    timestep_sampling: str = opt("logit_normal", "FLUX: training t ~ sigmoid(N(0, 1)) or uniform, then FLUX's "
+                                                 "resolution-dependent shift", _timestep_samplings)
+    guidance: float = opt(1.0, "FLUX models with a guidance embedding (flux-dev, flux-debug): the value it sees "
+                               "while training")
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
     max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs")
     batch_size: int = opt(256, "global batch over all data-parallel ranks")
@@ -131,6 +147,9 @@ class TrainConfig:
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted")
     outputs: str = opt("outputs", "runs go to <outputs>/NNN-<model>/")
     load: str | None = opt(None, "resume: a checkpoint folder, or latest (newest complete one under --outputs)")
+    init_weights: str | None = opt(None, "fine-tune: start from these weights at step 0 (an official checkpoint "
+                                         "such as flux1-dev.safetensors or a DiT .pt, an EMA export); keys must "
+                                         "match the model exactly")
     plugin: str = opt("ddp", "how the model is made data-parallel (see the README's plugin table)", _plugins)
     mixed_precision: str = opt("fp32", "compute dtype; fp16 adds dynamic loss scaling", _precisions)
     tf32: bool = opt(True, "allow TF32 matmuls and convolutions on NVIDIA GPUs in fp32 compute (the published "
@@ -158,15 +177,23 @@ class SampleConfig:
     image_size: int | None = opt(None, "default: the checkpoint's")
     num_classes: int | None = opt(None, "default: the checkpoint's")
     vae: str | None = opt(None, "default: the checkpoint's (none: the model's own space, no decoding)")
+    clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's")
+    t5: str | None = opt(None, "FLUX: T5 encoder folder; default: the checkpoint's")
     learn_sigma: bool | None = opt(None, "default: the checkpoint's")
     in_channels: int | None = opt(None, "pixel-space channels when nothing says (default 1 for digits, else 3)")
-    cfg_scale: float = opt(4.0, "classifier-free guidance scale; 1: off")
-    num_sampling_steps: int = opt(250, "denoising steps")
-    sampler: str = opt("ddpm", "ddpm (ancestral) or ddim", _samplers)
+    cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's (DiT and "
+                                        "video 4; FLUX 1: its guidance embedding instead, see --guidance)")
+    num_sampling_steps: int | None = opt(None, "denoising steps; default: the family's (DiT and video 250; FLUX: "
+                                               "flux-schnell 4, others 50)")
+    sampler: str | None = opt(None, "ddpm (ancestral) or ddim (DiT, video; default ddpm); euler (FLUX)", _samplers)
+    guidance: float = opt(3.5, "FLUX models with a guidance embedding (flux-dev): the guidance they are given")
+    negative_prompt: str = opt("", "FLUX with --cfg_scale > 1 (true classifier-free guidance): the unconditional "
+                                   "caption")
     ddim_eta: float = opt(0.0, "DDIM noise; 0: deterministic")
     seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
     class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
-    prompts: list[str] = opt(help="captions to sample, cycled (a model trained with --clip)", factory=list)
+    prompts: list[str] = opt(help="captions to sample, cycled (a model trained on captions)", factory=list)
+    prompts_file: str | None = opt(None, "a text file with one caption per line, appended to --prompts")
     num_samples: int = opt(0, "0: one per class label (or class)")
     batch_size: int = opt(32, "per process")
     out: str = opt("samples", "output folder")
@@ -193,6 +220,10 @@ class PreprocessConfig:
     frame_interval: int = opt(1, "video: take every k-th frame of the source video")
     vae: str = opt("stabilityai/sd-vae-ft-ema", "a diffusers AutoencoderKL folder or hub id")
     vae_scale: float | None = opt(None, "recorded in the manifest for training; default: the family's")
+    clip: str = opt("none", "FLUX: the CLIP text encoder folder whose pooled vectors to cache")
+    t5: str = opt("none", "FLUX: the T5 encoder folder whose token embeddings to cache")
+    t5_max_length: int | None = opt(None, "FLUX: T5 tokens per caption; default: the model's (see --model)")
+    model: str | None = opt(None, "FLUX: the model the cache is for (sets the default --t5_max_length)", _models)
     out: str | None = opt(None, "the cache folder to write (required)")
     batch_size: int = opt(64, "images per encoder call, per process")
     flip_both: bool = opt(False, "also cache each image's horizontal flip")

@@ -17,7 +17,7 @@ from opendit.kernels import configure_kernels
 logger = logging.getLogger("opendit")
 
 # sample.py flags that override what the checkpoint was trained with
-OVERRIDES = ("model", "image_size", "num_classes", "vae", "learn_sigma")
+OVERRIDES = ("model", "image_size", "num_classes", "vae", "clip", "t5", "learn_sigma")
 
 
 def _opendit_weights(path: Path) -> tuple[Path, dict]:

@@ -173,3 +173,28 @@ class MFUMeter:
         if self.peak:
             out["mfu"] = mfu(flops, self.peak)
         return out
+
+
+def flux_forward_macs(model: nn.Module, txt_tokens: int, img_tokens: int) -> int:
+    """Multiply-accumulates of one FLUX forward pass for ONE sample of txt_tokens T5 tokens and img_tokens
+    packed latent tokens, from its layers: a Linear of a text-stream module (txt_in, txt_attn, txt_mlp) costs
+    txt_tokens * in * out, of an image-stream one (img_in, img_attn, img_mlp, final_layer.linear) img_tokens *
+    in * out, of a single block (linear1, linear2: the joint sequence) (txt + img) * in * out, and a per-sample
+    one (time / guidance / vector embedders, modulations) in * out; each of the depth + depth_single_blocks
+    joint attentions 2 * L^2 * hidden with L = txt + img."""
+    joint = txt_tokens + img_tokens
+    macs = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if "_mod." in name or "modulation" in name or name.split(".")[0] in ("time_in", "vector_in", "guidance_in"):
+            tokens = 1
+        elif name.startswith("single_blocks."):
+            tokens = joint
+        elif name.startswith("txt_in") or ".txt_" in name:
+            tokens = txt_tokens
+        else:  # img_in, the image stream, final_layer.linear
+            tokens = img_tokens
+        macs += tokens * m.in_features * m.out_features
+    attentions = len(model.double_blocks) + len(model.single_blocks)
+    return macs + attentions * 2 * joint * joint * model.hidden_size

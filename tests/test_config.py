@@ -27,10 +27,11 @@ def test_help_shows_sections_help_defaults_and_choices(script):
         assert "--plugin {ddp,zero2,zero3,fsdp,hsdp,gemini}" in text and "(default: ddp)" in text
         assert "one of: DiT-Ti/2" in text and "DiT-XL/2" in text and "--mixed_precision {fp32,bf16,fp16}" in text
     if script == "sample.py":
-        assert "--sampler {ddpm,ddim}" in text and "(default: 250)" in text
+        # the defaults of steps, sampler and guidance are the model family's, and the help says which
+        assert "--sampler {ddpm,ddim,euler}" in text and "DiT and video 250; FLUX: flux-schnell 4" in text
     if script == "preprocess.py":
         # the built-in families (a test may have registered more in this process, not in the script's)
-        assert "--family {dit,video}" in text and "--dtype {float32,float16}" in text
+        assert "--family {dit,video,flux}" in text and "--dtype {float32,float16}" in text
 
 
 def test_choices_come_from_the_registries():

@@ -7,6 +7,9 @@ Layout of a cache folder:
     r000-00000.std.npy               float [n, C, h, w]: posterior std
     r000-00000.mean_flip.npy  ...    the same for the horizontally flipped image (--flip_both only)
     r000-00000.label.npy             int64 [n]
+    r000-00000.caption.npy           str [n] (sources with captions)
+    r000-00000.t5.npy, .clip.npy     float [n, L, D], [n, D]: text embeddings (FLUX caches; "embeddings")
+    extra.empty_t5.npy ...           arrays stored once (FLUX: the empty caption's embeddings; "extras")
 
 Storing mean and std (not one sample, as fast-DiT does) lets every epoch draw a fresh posterior
 sample, as encoding on the fly does. preprocess.py writes into `<out>.partial` and renames it when
@@ -27,6 +30,7 @@ MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 ARRAYS = ("mean", "std")
 FLIP_ARRAYS = ("mean_flip", "std_flip")
+TEXT_ARRAYS = ("t5", "clip")  # text embeddings a FLUX cache stores per item
 REBUILD_HINT = "build it with: python preprocess.py --dataset ... --vae ... --out <folder>"
 
 
@@ -51,8 +55,9 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def shard_arrays(flip_both: bool, captions: bool = False) -> tuple[str, ...]:
-    return (ARRAYS + FLIP_ARRAYS if flip_both else ARRAYS) + ("label",) + (("caption",) if captions else ())
+def shard_arrays(flip_both: bool, captions: bool = False, embeddings=()) -> tuple[str, ...]:
+    return (ARRAYS + FLIP_ARRAYS if flip_both else ARRAYS) + ("label",) + (("caption",) if captions else ()) + \
+        tuple(embeddings)
 
 
 def write_shard(folder: str, stem: str, arrays: dict) -> dict:
@@ -64,7 +69,8 @@ def write_shard(folder: str, stem: str, arrays: dict) -> dict:
 
 class LatentDataset(Dataset):
     """item = ((mean, std) float32 [C, h, w] each, int label): the VAE posterior of one cached image; a video
-    cache holds [C, T, h, w] per clip and, when its source had captions, items get a third field, the caption.
+    cache holds [C, T, h, w] per clip and, when its source had captions, items get a third field, the caption;
+    a cache with text embeddings (FLUX) appends them, float32: ((mean, std), label, caption, t5 [L, D], clip [D]).
 
     With a --flip_both cache and random_flip, item i of epoch e is the flipped image's posterior when
     mix_seed(seed, e, i) is odd (stateless, like ImageFolderDataset). Shards are memory-mapped, so a
@@ -85,6 +91,7 @@ class LatentDataset(Dataset):
         self.classes = m["classes"]
         self.flip_both = bool(m["flip_both"])
         self.captions = bool(m.get("captions", False))
+        self.embeddings = tuple(m.get("embeddings", ()))
         self.random_flip, self.seed, self.epoch = random_flip, int(seed), 0
         self._stems = [s["stem"] for s in m["shards"]]
         self._starts = np.cumsum([0] + [s["count"] for s in m["shards"]])  # shard k holds [starts[k], starts[k+1])
@@ -96,10 +103,24 @@ class LatentDataset(Dataset):
 
     def _check_files(self) -> None:
         for stem in self._stems:
-            for key in shard_arrays(self.flip_both, self.captions):
+            for key in self._arrays():
                 if not os.path.isfile(os.path.join(self.path, f"{stem}.{key}.npy")):
                     raise FileNotFoundError(f"latent cache {self.path!r} lacks {stem}.{key}.npy; the cache is "
                                             f"damaged, rebuild it with preprocess.py")
+
+    def _arrays(self) -> tuple[str, ...]:
+        return shard_arrays(self.flip_both, self.captions, self.embeddings)
+
+    def extra(self, key: str) -> torch.Tensor:
+        """An array stored once for the whole cache (e.g. "empty_t5"), float32."""
+        path = os.path.join(self.path, f"extra.{key}.npy")
+        if key not in self.manifest.get("extras", ()) or not os.path.isfile(path):
+            raise FileNotFoundError(f"latent cache {self.path!r} lacks extra.{key}.npy; rebuild it with preprocess.py")
+        return torch.from_numpy(np.load(path).astype(np.float32))
+
+    def empty_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 [L, D], CLIP [D]) of the empty caption: what text dropout substitutes."""
+        return self.extra("empty_t5"), self.extra("empty_clip")
 
     def __getstate__(self):
         return {**self.__dict__, "_maps": None}
@@ -109,7 +130,7 @@ class LatentDataset(Dataset):
             self._maps = {}
         if k not in self._maps:
             self._maps[k] = {key: np.load(os.path.join(self.path, f"{self._stems[k]}.{key}.npy"), mmap_mode="r")
-                             for key in shard_arrays(self.flip_both, self.captions)}
+                             for key in self._arrays()}
         return self._maps[k]
 
     def set_epoch(self, epoch: int) -> None:
@@ -127,6 +148,9 @@ class LatentDataset(Dataset):
         mean_key, std_key = FLIP_ARRAYS if flip else ARRAYS
         mean = torch.from_numpy(np.array(arrays[mean_key][i], dtype=np.float32))
         std = torch.from_numpy(np.array(arrays[std_key][i], dtype=np.float32))
+        if self.embeddings:
+            return ((mean, std), int(arrays["label"][i]), str(arrays["caption"][i]),
+                    *(torch.from_numpy(np.array(arrays[k][i], dtype=np.float32)) for k in self.embeddings))
         if self.captions:
             return (mean, std), int(arrays["label"][i]), str(arrays["caption"][i])
         return (mean, std), int(arrays["label"][i])

@@ -2,6 +2,7 @@
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from opendit.data.captions import CaptionedDigitsDataset, CaptionedImageDataset
 from opendit.data.digits import DigitsDataset
 from opendit.data.image_folder import ImageFolderDataset
 from opendit.data.latents import LatentDataset
@@ -11,17 +12,21 @@ from opendit.data.transforms import check_image_size
 from opendit.data.video_csv import VideoCSVDataset
 from opendit.seeding import mix_seed
 
-DATASETS = ("digits", "folder", "latents", "video_csv", "moving_digits")
+DATASETS = ("digits", "folder", "latents", "video_csv", "moving_digits", "captioned_digits", "captions")
 
 
 def build_dataset(name: str, data_path=None, image_size=None, **kwargs) -> Dataset:
     """name "digits" (built-in demo, data_path unused), "folder" (ImageNet-style class folders), "latents"
     (a cache written by preprocess.py; image_size may be None, else it must match the cache), "video_csv"
-    (data_path: a CSV of videos, see VideoCSVDataset) or "moving_digits" (built-in video demo, data_path unused).
+    (data_path: a CSV of videos, see VideoCSVDataset), "moving_digits" (built-in video demo, data_path unused),
+    "captioned_digits" (built-in text-to-image demo, data_path unused) or "captions" (data_path: a folder of
+    images with .txt captions, or a .csv / .jsonl of path,caption; see CaptionedImageDataset).
 
     kwargs go to the dataset: digits -> channels, split; folder and latents -> random_flip, seed;
-    video_csv -> num_frames, frame_interval, seed, channels; moving_digits -> those and split.
-    Image datasets give (image [C, S, S], label); video datasets give (video [C, T, S, S], label, caption)."""
+    video_csv -> num_frames, frame_interval, seed, channels; moving_digits -> those and split;
+    captioned_digits -> channels, seed, split; captions -> channels, random_flip, seed.
+    Image datasets give (image [C, S, S], label); video datasets give (video [C, T, S, S], label, caption);
+    captioned image datasets give (image [C, S, S], caption)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if name == "latents":
@@ -31,6 +36,14 @@ def build_dataset(name: str, data_path=None, image_size=None, **kwargs) -> Datas
         return DigitsDataset(image_size, **kwargs)
     if name == "moving_digits":
         return MovingDigitsDataset(image_size, **kwargs)
+    if name == "captioned_digits":
+        return CaptionedDigitsDataset(image_size, **kwargs)
+    if name == "captions":
+        if data_path is None:
+            raise ValueError("dataset 'captions' needs a data path; pass --data_path <folder of images with "
+                             ".txt captions, or a .csv / .jsonl of path,caption> or use --dataset "
+                             "captioned_digits for the built-in demo")
+        return CaptionedImageDataset(data_path, image_size, **kwargs)
     if name == "video_csv":
         if data_path is None:
             raise ValueError("dataset 'video_csv' needs a data path; pass --data_path <CSV of path,caption or "

@@ -79,3 +79,10 @@ __all__ = [
     "ModelMeanType", "ModelVarType", "LossType", "normal_kl", "discretized_gaussian_log_likelihood",
     "mean_flat", "randn",
 ]
+
+# FLUX's rectified flow (opendit.diffusion.flow): training objective, schedule and Euler sampler.
+from .flow import (FLOW_SAMPLERS, TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample,  # noqa: E402
+                   flux_mu, flux_schedule, time_shift)
+
+__all__ += ["FLOW_SAMPLERS", "TIMESTEP_SAMPLINGS", "RectifiedFlow", "cfg_velocity", "euler_sample", "flux_mu",
+            "flux_schedule", "time_shift"]

@@ -3,6 +3,7 @@ CPU demo use in place of a real CLIP (nothing can be downloaded there). Its embe
 meaning, but they are a fixed, distinct vector per caption, which is all conditioning needs to learn.
 
     python -m opendit.encoders.tiny_clip outputs/tiny_clip      # then: train.py --clip outputs/tiny_clip
+    python -m opendit.encoders.tiny_clip outputs/tiny_clip --words digits     # the captioned digits' words
 """
 import argparse
 
@@ -11,16 +12,32 @@ import torch
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 # the words of the moving-digits captions ("the digit 3 moving up-left"), so the demo's tokens are all known
 DEMO_WORDS = ["the", "digit", "moving", "up", "down", "left", "right", "-", *map(str, range(10))]
+WORD_SETS = ("moving_digits", "digits", "all")  # the demos' vocabularies by name (see demo_words)
+
+
+def demo_words(words) -> list[str]:
+    """A vocabulary: a list of words as it is, or a demo's by name: "moving_digits" (DEMO_WORDS), "digits" (the
+    captioned digits', opendit.data.captions.DIGIT_CAPTION_WORDS) or "all" (both)."""
+    if not isinstance(words, str):
+        return list(words)
+    from opendit.data.captions import DIGIT_CAPTION_WORDS
+
+    named = {"moving_digits": DEMO_WORDS, "digits": list(DIGIT_CAPTION_WORDS),
+             "all": [*DEMO_WORDS, *DIGIT_CAPTION_WORDS]}
+    if words not in named:
+        raise ValueError(f"unknown word set {words!r}; valid names: {', '.join(WORD_SETS)} (or pass a list of words)")
+    return named[words]
 
 
 def save_tiny_clip(folder, words=DEMO_WORDS, hidden_size: int = 32, layers: int = 2, max_length: int = 16,
                    seed: int = 0) -> str:
     """Write a CLIPTextModel (hidden_size wide, `layers` deep, random weights from `seed`) and a word-level
-    tokenizer over `words` (lower-cased; unknown words map to <unk>) to `folder`; returns the folder."""
+    tokenizer over `words` (a list, or a demo's by name, see demo_words; lower-cased; unknown words map to <unk>)
+    to `folder`; returns the folder."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIAL + sorted(set(words) - set(SPECIAL)))}
+    vocab = {w: i for i, w in enumerate(SPECIAL + sorted(set(demo_words(words)) - set(SPECIAL)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation ("up-left" -> up, -, left)
@@ -41,5 +58,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder")
     parser.add_argument("--hidden_size", type=int, default=32)
+    parser.add_argument("--words", choices=WORD_SETS, default="moving_digits",
+                        help="the vocabulary: the moving digits' captions, the captioned digits' or both")
     args = parser.parse_args()
-    print(save_tiny_clip(args.folder, hidden_size=args.hidden_size))
+    print(save_tiny_clip(args.folder, words=args.words, hidden_size=args.hidden_size))

@@ -10,6 +10,27 @@ from typing import Optional
 import torch
 
 SD_VAE_SCALE = 0.18215
+# FLUX's autoencoder (black-forest-labs/flux AutoEncoderParams scale_factor / shift_factor; diffusers' FLUX.1 vae
+# config: scaling_factor / shift_factor): 16 latent channels, z = (sample - 0.1159) * 0.3611
+FLUX_VAE_SCALE = 0.3611
+FLUX_VAE_SHIFT = 0.1159
+
+
+def scale_latents(z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
+    """Raw VAE latents (a posterior sample or mean) -> the diffusion model's latents: (z - shift) * scale."""
+    return (z - shift) * scale
+
+
+def unscale_latents(z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
+    """The diffusion model's latents -> raw VAE latents for the decoder: z / scale + shift."""
+    return z / scale + shift
+
+
+def vae_scale_shift(vae) -> tuple[float, float]:
+    """(scale, shift) from an AutoencoderKL's config (scaling_factor, shift_factor; a missing shift is 0): SD's
+    VAE gives (0.18215, 0.0), FLUX's (0.3611, 0.1159). Use it when the folder's config is trusted; the
+    training flags default to SD_VAE_SCALE / FLUX_VAE_SCALE, FLUX_VAE_SHIFT per model family."""
+    return float(vae.config.scaling_factor), float(getattr(vae.config, "shift_factor", None) or 0.0)
 
 
 def _is_none(name_or_path) -> bool:
@@ -69,14 +90,14 @@ def encode(vae, x: torch.Tensor, generator: Optional[torch.Generator] = None,
     Samples the posterior (pass a generator on the VAE's device for reproducible noise)."""
     param = next(vae.parameters())
     posterior = vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
-    return ((posterior.sample(generator=generator) - shift) * scale).float()
+    return scale_latents(posterior.sample(generator=generator), scale, shift).float()
 
 
 @torch.no_grad()
 def decode(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
     """z: scaled latents [B, C_lat, h, w] -> float32 images [B, 3, h*f, w*f] clamped to [-1, 1]."""
     param = next(vae.parameters())
-    z = (z.to(device=param.device, dtype=param.dtype) / scale) + shift
+    z = unscale_latents(z.to(device=param.device, dtype=param.dtype), scale, shift)
     return vae.decode(z).sample.float().clamp_(-1.0, 1.0)
 
 
@@ -93,7 +114,8 @@ def _clips(x: torch.Tensor, batch: int) -> torch.Tensor:
 @torch.no_grad()
 def posterior_frames(vae, x: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips x [B, 3, T, H, W] in [-1, 1] -> the 2-D VAE's posterior (mean, std), float32 [B, C, T, h, w] on x's
-    device, unscaled; `chunk` frames per encoder call bound the memory."""
+    device, unscaled (scale_latents(mean + std * noise, scale, shift) gives the model's latents); `chunk` frames per
+    encoder call bound the memory."""
     param = next(vae.parameters())
     frames = _frames(x).to(device=param.device, dtype=param.dtype)
     parts = [vae.encode(f).latent_dist for f in frames.split(chunk)]

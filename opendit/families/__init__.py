@@ -1,6 +1,6 @@
 """Model families and the one registry of model names (see opendit.families.base for the interface).
 
-Built in: "dit" (image DiT) and "video" (VDiT, Latte). A family defined elsewhere registers itself with `register_family(family)` when
+Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1). A family defined elsewhere registers itself with `register_family(family)` when
 its module is imported; name such modules in the environment variable OPENDIT_FAMILIES (comma-separated,
 e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py / sample.py / preprocess.py know its models.
 """
@@ -58,10 +58,12 @@ def all_samplers() -> tuple[str, ...]:
 
 def _register_builtin() -> None:
     from opendit.families.dit import DiTFamily
+    from opendit.families.flux import FluxFamily
     from opendit.families.video import VideoDiffusionFamily
 
     register_family(DiTFamily())
     register_family(VideoDiffusionFamily())
+    register_family(FluxFamily())
     for module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
         importlib.import_module(module)  # registers itself
 

@@ -115,6 +115,7 @@ class ModelFamily:
     models: Mapping[str, ModelSpec] = {}
     datasets: tuple[str, ...] = ()  # --dataset values it trains on
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
+    default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
 
     # ---- configuration and data ---------------------------------------------------------------------------
@@ -156,6 +157,19 @@ class ModelFamily:
         """Training settings of a checkpoint + the sample.py flags given -> the run's cfg (a TrainConfig)."""
         raise NotImplementedError
 
+    def default_sampling_steps(self, cfg) -> int:
+        """sample.py's --num_sampling_steps when not given."""
+        return 250
+
+    def sample_defaults(self, sample_cfg, cfg):
+        """The sample.py config with the family's defaults where a flag was left out (sampler, steps, cfg)."""
+        import dataclasses
+
+        return dataclasses.replace(
+            sample_cfg, sampler=sample_cfg.sampler or self.samplers[0],
+            num_sampling_steps=sample_cfg.num_sampling_steps or self.default_sampling_steps(cfg),
+            cfg_scale=self.default_cfg_scale if sample_cfg.cfg_scale is None else sample_cfg.cfg_scale)
+
     def conditions(self, sample_cfg, cfg) -> list:
         """What sample i is conditioned on is conditions[i % len(conditions)] (class labels, prompts, None)."""
         raise NotImplementedError
@@ -175,6 +189,10 @@ class ModelFamily:
         raise NotImplementedError
 
     # ---- caching (preprocess.py) ---------------------------------------------------------------------------
+    def resolve_cache_config(self, cfg):
+        """preprocess.py's config with the family's defaults filled in (what the manifest records)."""
+        return cfg
+
     def cache_encoders(self, cfg, device: torch.device):
         """The encoders preprocess.py runs (cfg: an opendit.config.PreprocessConfig)."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")
@@ -183,6 +201,11 @@ class ModelFamily:
         """The dataset preprocess.py encodes (cfg: an opendit.config.PreprocessConfig): items (x, label)."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")
 
-    def cache_encode(self, encoders, x: torch.Tensor) -> dict:
-        """A batch of source items -> {"mean": [B, ...], "std": [B, ...]} float32 on the CPU, unscaled."""
+    def cache_encode(self, encoders, x: torch.Tensor, captions: list[str] | None = None) -> dict:
+        """A batch of source items -> {"mean": [B, ...], "std": [B, ...]} float32 on the CPU, unscaled (and the
+        captions' text embeddings, for a family that caches them; captions None: the image parts only)."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")
+
+    def cache_extras(self, encoders) -> dict:
+        """Tensors stored once per cache (FLUX: the empty caption's embeddings), {} for none."""
+        return {}

@@ -43,9 +43,10 @@ def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale")):
     updates = {}
     for key in keys:
         given, cached = getattr(cfg, key), manifest[key]
-        if given is None or given == cached or (key == "vae" and given.lower() == "none"):
+        path = key in ("vae", "t5", "clip")  # folders: "none" means "the cache's"; the same folder may be spelt anew
+        if given is None or given == cached or (path and given.lower() == "none"):
             updates[key] = cached
-        elif not (key == "vae" and os.path.realpath(given) == os.path.realpath(cached)):
+        elif not (path and os.path.realpath(given) == os.path.realpath(cached)):
             raise ValueError(f"--{key} {given} disagrees with the latent cache {cfg.data_path!r}, built with "
                              f"{key}={cached}; pass --{key} {cached} or leave it out, or rebuild the cache")
     # keeps cfg.vae = the cache's VAE, so config.yaml tells sample.py which VAE decodes the samples
@@ -107,9 +108,14 @@ class ImageDiffusionFamily(ModelFamily):
                 raise ValueError(f"cached latents of size {cached[1]} are not a multiple of {cfg.model}'s patch "
                                  f"size {patch}; pick a model with a smaller patch or cache larger images")
             return tuple(cached)
-        channels = getattr(dataset, "channels", None) or data_channels or (1 if cfg.dataset == "digits" else 3)
+        channels = getattr(dataset, "channels", None) or data_channels or self.pixel_channels(cfg)
         size, in_channels = latent_geometry(cfg.image_size, encoders.vae, channels, patch)
         return in_channels, size, size
+
+    @staticmethod
+    def pixel_channels(cfg) -> int:
+        """Channels of the pixel-space data when nothing else says: the built-in digits are grey."""
+        return 1 if cfg.dataset in ("digits", "captioned_digits") else 3
 
     def objective(self, cfg, encoders: ImageEncoders) -> DiffusionObjective:
         return DiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, labels=self.class_conditional)
@@ -140,6 +146,7 @@ class ImageDiffusionFamily(ModelFamily):
         return labels
 
     def make_sampler(self, sample_cfg, cfg) -> GaussianSampler:
+        sample_cfg = self.sample_defaults(sample_cfg, cfg)
         # pixel-space models know their data lies in [-1, 1]: clamping x_0 keeps an early model from diverging
         return GaussianSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, cfg.learn_sigma,
                                eta=sample_cfg.ddim_eta, clip_denoised=cfg.vae.lower() == "none")
@@ -156,7 +163,7 @@ class ImageDiffusionFamily(ModelFamily):
     def sample_latents(self, loaded, sampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
         """The sampler's output for global indices: float32 [n, *latent_shape] on device. Noise comes from a
         generator seeded by (seed, first index), so a batch is the same on any rank."""
-        model = loaded.model
+        model, sample_cfg = loaded.model, self.sample_defaults(sample_cfg, loaded.cfg)
         gen = torch.Generator().manual_seed(sample_cfg.seed * 1_000_003 + indices.start)
         n = len(indices)
         z = torch.randn(n, *loaded.latent_shape, generator=gen).to(device)
@@ -201,7 +208,7 @@ class ImageDiffusionFamily(ModelFamily):
         return build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, random_flip=False)
 
     @torch.no_grad()
-    def cache_encode(self, encoders: ImageEncoders, x: torch.Tensor) -> dict:
+    def cache_encode(self, encoders: ImageEncoders, x: torch.Tensor, captions=None) -> dict:
         """x [B, 3, H, W] in [-1, 1] -> {"mean", "std"} float32 [B, C, h, w]: the VAE posterior, unscaled."""
         vae = encoders.vae
         param = next(vae.parameters())

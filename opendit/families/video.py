@@ -220,6 +220,6 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
                              frame_interval=cfg.frame_interval, seed=0, channels=3)
 
     @torch.no_grad()
-    def cache_encode(self, encoders, x):
+    def cache_encode(self, encoders, x, captions=None):  # captions are stored as text
         mean, std = posterior_frames(encoders.vae, x)
         return {"mean": mean.cpu(), "std": std.cpu()}

@@ -22,4 +22,6 @@ def __getattr__(name):
         from opendit.families import all_models
 
         return all_models()
+    if name in ("Flux", "FLUX_CONFIGS"):  # FLUX.1, imported when asked for (like every architecture here)
+        return getattr(__import__("opendit.models.flux", fromlist=[name]), name)
     raise AttributeError(f"module 'opendit.models' has no attribute {name!r}")

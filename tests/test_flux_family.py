@@ -1,0 +1,181 @@
+"""FLUX end to end on CPUs: flux-debug on the captioned digits (pixel space) through tiny local T5 and CLIP
+encoders trains, resumes exactly and samples from the command line; a cache from preprocess.py --family flux
+(tiny 16-channel VAE, T5 embeddings, CLIP vectors) trains like encoding on the fly and loads no encoder; the
+plugins, sequence parallelism and the lean optimizer options run flux-debug like the plain path."""
+import json
+import numpy as np
+import pytest
+import torch
+
+from opendit import config as cfglib
+from tests.test_train import run_trainer
+from tests.test_video_family import cli, losses_of
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """(T5 folder, CLIP folder): tiny random encoders with word-level tokenizers over the demo's words."""
+    from opendit.encoders.tiny_clip import save_tiny_clip
+    from opendit.encoders.tiny_t5 import save_tiny_t5
+
+    root = tmp_path_factory.mktemp("flux_encoders")
+    return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words="digits")
+
+
+def flux_cfg(outputs, encoders, **kw):
+    t5, clip = encoders
+    base = dict(model="flux-debug", dataset="captioned_digits", image_size=8, t5=t5, clip=clip, batch_size=4,
+                max_steps=3, log_every=1, ckpt_every=100, num_workers=0, outputs=str(outputs), lr=1e-3,
+                ema_decay=0.9)
+    return cfglib.TrainConfig(**{**base, **kw})
+
+
+def save_tiny_flux_vae(folder):
+    """An AutoencoderKL with FLUX's 16 latent channels and 8x downsampling, 8-wide layers."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=16, norm_num_groups=8,
+                  sample_size=32).save_pretrained(folder)
+    return str(folder)
+
+
+def test_demo_trains_and_samples_from_the_command_line(tmp_path, encoders):
+    t5, clip = encoders
+    cli("train.py", "--model", "flux-debug", "--dataset", "captioned_digits", "--image_size", "8", "--t5", t5,
+        "--clip", clip, "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0",
+        "--outputs", tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a handwritten three\n\nthe digit seven\n")
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "--prompts_file",
+        prompts, "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
+    images = np.load(out / "samples.npz")["arr_0"]
+    assert images.shape == (3, 8, 8, 3) and images.dtype == np.uint8  # one per prompt (the blank line skipped)
+    assert (out / "grid.png").is_file()
+
+
+def test_resumed_losses_equal_uninterrupted(tmp_path, encoders):
+    _, full = run_trainer(flux_cfg(tmp_path / "a", encoders, max_steps=4, ckpt_every=2))
+    run_trainer(flux_cfg(tmp_path / "b", encoders, max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(flux_cfg(tmp_path / "b", encoders, max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:]
+    assert all(np.isfinite(full))
+
+
+def test_loss_falls_and_text_dropout_uses_the_empty_caption(tmp_path, encoders):
+    trainer, losses = run_trainer(flux_cfg(tmp_path, encoders, max_steps=30, log_every=10, lr=2e-3, batch_size=8))
+    assert losses[-1] < 0.8 * losses[0], losses
+    enc = trainer.encoders
+    torch.manual_seed(0)
+    _, cond = trainer.objective.prepare((torch.zeros(64, 1, 8, 8), ["a handwritten seven"] * 64), torch.device("cpu"))
+    empty_txt, empty_vec = enc.empty_embeddings("cpu")
+    full_txt, full_vec = enc.encode(["a handwritten seven"], "cpu")
+    dropped_txt = torch.tensor([torch.equal(t, empty_txt) for t in cond["txt"]])
+    dropped_vec = torch.tensor([torch.equal(v, empty_vec) for v in cond["y"]])
+    assert all(torch.equal(t, full_txt[0]) for t, d in zip(cond["txt"], dropped_txt) if not d)
+    assert all(torch.equal(v, full_vec[0]) for v, d in zip(cond["y"], dropped_vec) if not d)
+    # p = 0.447 each, independently: both dropped ~20%, and the two draws differ
+    assert 0.2 < dropped_txt.float().mean() < 0.7 and 0.2 < dropped_vec.float().mean() < 0.7
+    assert not torch.equal(dropped_txt, dropped_vec)
+
+
+def test_a_missing_text_encoder_is_a_clear_error(tmp_path, encoders):
+    with pytest.raises(ValueError, match="--t5"):
+        run_trainer(flux_cfg(tmp_path, encoders, t5="none"))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
+        run_trainer(flux_cfg(tmp_path, encoders, clip=str(tmp_path / "nowhere")))
+
+
+def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, encoders):
+    t5, clip = encoders
+    vae = save_tiny_flux_vae(tmp_path / "vae")
+    cli("preprocess.py", "--family", "flux", "--model", "flux-debug", "--dataset", "captioned_digits",
+        "--image_size", "32", "--vae", vae, "--t5", t5, "--clip", clip, "--out", tmp_path / "cache",
+        "--batch_size", "256", "--num_workers", "0")
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["latent_shape"] == [16, 4, 4] and manifest["embeddings"] == ["t5", "clip"]
+    assert manifest["t5_max_length"] == 16 and manifest["extras"] == ["empty_clip", "empty_t5"]
+    common = dict(image_size=32, max_steps=3)
+    cached, fly = tmp_path / "c", tmp_path / "f"
+    trainer, _ = run_trainer(flux_cfg(cached, ("none", "none"), dataset="latents", data_path=str(tmp_path / "cache"),
+                                      **common))
+    enc = trainer.encoders
+    assert enc.vae is None and enc.t5 is None and enc.clip is None  # training on the cache loads no encoder
+    assert trainer.cfg.t5 == t5 and trainer.cfg.clip == clip and trainer.cfg.vae == vae  # for sampling later
+    run_trainer(flux_cfg(fly, encoders, vae=vae, **common))
+    np.testing.assert_allclose(losses_of(cached / "000-flux-debug"), losses_of(fly / "000-flux-debug"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(grad_checkpoint=1),
+    dict(optimizer_offload=True, optimizer_state_dtype="u16", master_weights="bf16_exact", mixed_precision="bf16",
+         fused_backward=True),
+    dict(optimizer_offload=True, fused_backward=True, blocks_to_swap=2),
+], ids=["grad_checkpoint", "u16-offload-bf16_exact-fused", "fused-block_swap"])
+def test_lean_options_run_flux_and_resume_exactly(tmp_path, encoders, kw):
+    _, plain = run_trainer(flux_cfg(tmp_path / "p", encoders, max_steps=4))
+    _, full = run_trainer(flux_cfg(tmp_path / "a", encoders, max_steps=4, ckpt_every=2, **kw))
+    run_trainer(flux_cfg(tmp_path / "b", encoders, max_steps=2, ckpt_every=2, **kw))
+    _, resumed = run_trainer(flux_cfg(tmp_path / "b", encoders, max_steps=4, ckpt_every=2, load="latest", **kw))
+    assert resumed == full[2:]
+    if kw.get("mixed_precision") == "bf16":
+        assert full == pytest.approx(plain, rel=0.05)  # bf16 weights and compressed states: close, not equal
+    else:
+        assert full == pytest.approx(plain, rel=1e-5)
+
+
+def test_flux_dev_flops_per_sample_from_its_layers():
+    from opendit.models.flux import FLUX_CONFIGS, Flux
+    from opendit.perf import flux_forward_macs
+
+    with torch.device("meta"):
+        model = Flux(**FLUX_CONFIGS["flux-dev"])
+    txt, img = 512, 4096  # a 1024^2 image: 128x128 latents in 2x2 patches
+    D, L = 3072, txt + img
+    double = 12 * D * D * (img + txt) + 2 * 6 * D * D  # per stream: qkv 3D^2, proj D^2, MLP 8D^2; two modulations
+    single = 12 * D * D * L + 3 * D * D  # linear1 (3D + 4D) x D and linear2 (D + 4D) x D per token; modulation
+    root = img * 64 * D + txt * 4096 * D + (256 + 768 + 256) * D + 3 * D * D + 2 * D * D + img * D * 64
+    expected = 19 * double + 38 * single + root + 57 * 2 * L * L * D  # + QK^T and AV of every joint attention
+    assert flux_forward_macs(model, txt, img) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"], ["--sequence_parallel_size", "2"]],
+                         ids=["zero2", "fsdp", "sp2"])
+def test_two_process_runs_equal_ddp(tmp_path, encoders, flags):
+    t5, clip = encoders
+    common = ["--model", "flux-debug", "--dataset", "captioned_digits", "--image_size", "8", "--t5", t5, "--clip", clip,
+              "--batch_size", "4", "--max_steps", "3", "--log_every", "1", "--num_workers", "0"]
+    if flags[0] == "--sequence_parallel_size":  # SP: both ranks see the same 4 samples, as one process does
+        cli("train.py", *common, "--outputs", tmp_path / "ref")
+    else:
+        cli("train.py", *common, "--outputs", tmp_path / "ref", nproc=2)
+    cli("train.py", *common, *flags, "--outputs", tmp_path / "run", nproc=2)
+    ref, run = (losses_of(tmp_path / d / "000-flux-debug") for d in ("ref", "run"))
+    np.testing.assert_allclose(run, ref, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_process_sampling_writes_what_one_process_does(tmp_path, encoders):
+    run_trainer(flux_cfg(tmp_path, encoders, max_steps=1))
+    common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a one", "a two", "a three", "--num_samples", "5",
+              "--batch_size", "2", "--num_sampling_steps", "3", "--npz"]
+    cli("sample.py", *common, "--out", tmp_path / "one")
+    cli("sample.py", *common, "--out", tmp_path / "two", nproc=2)
+    one, two = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "two"))
+    np.testing.assert_array_equal(one, two)
+
+
+def test_sample_defaults_follow_the_model():
+    from opendit.families import get_family
+
+    family = get_family("flux")
+    sample_cfg = cfglib.SampleConfig()
+    for model, steps in (("flux-schnell", 4), ("flux-dev", 50)):
+        run = cfglib.TrainConfig(model=model)
+        resolved = family.sample_defaults(sample_cfg, run)
+        assert (resolved.sampler, resolved.num_sampling_steps, resolved.cfg_scale) == ("euler", steps, 1.0)
+    dit = get_family("dit").sample_defaults(sample_cfg, cfglib.TrainConfig(model="DiT-XL/2"))
+    assert (dit.sampler, dit.num_sampling_steps, dit.cfg_scale) == ("ddpm", 250, 4.0)
