@@ -27,7 +27,8 @@ case "$RECIPE" in
       --clip "$FLUX" --dataset captions --data_path "${DATA:?set DATA to a folder of images with .txt captions}" \
       --image_size 1024 --batch_size "${BATCH:-1}" --lr 1e-5 --guidance 1.0 --mixed_precision bf16 \
       --master_weights bf16_exact --optimizer_offload --optimizer_state_dtype u16 --fused_backward \
-      --grad_checkpoint 1 --blocks_to_swap "${SWAP:-20}" --max_steps 2000 --ckpt_every 500 --log_every 10 "$@" ;;
+      --grad_checkpoint 1 --blocks_to_swap "${SWAP:-45}" --ema_decay 0 --max_steps 2000 --ckpt_every 500 \
+      --log_every 10 "$@" ;;
   *) echo "unknown RECIPE=$RECIPE (digits, finetune)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then

@@ -8,11 +8,14 @@ Every number comes from real tensor shapes on the meta device (no storage, so a 
 - weights, gradients, master and optimizer bytes: FLUX.1-dev built from its official config; states are
   sized by the optimizer's own formats (fp32 8 B, u16 2 x 2.03 B per parameter for AdamW's two moments).
 - activations: one forward pass of the real flux-dev at the run's token counts (512 T5 + 4096 image tokens at
-  1024 px), bf16, recording every tensor autograd saves for backward and in which block. Without
+  1024 px), bf16, recording every tensor autograd saves for backward and in which block (not the weights
+  themselves, not attention's L x L score matrices, which FlashAttention never stores; the reference RMSNorm
+  and RoPE keep fp32 intermediates, which the fused kernels would not). Without
   checkpointing all of them live at the peak; with --grad_checkpoint 1 only each block's inputs plus the
   largest block's saved tensors (it is recomputed during its backward) and what the root keeps.
 - block swap N: the last N blocks' weights live on the host and stream in one block ahead, so the GPU holds
   the others plus two in flight; with the fused backward a gradient lives only until its block's update.
+- EMA: fp32 beside the weights, in host memory (--ema_on_host), or none (--ema_decay 0).
 - encoders: T5-XXL (4.76B) and CLIP-L text (0.12B) in bf16, and FLUX's autoencoder (84M) in bf16, when
   encoding on the fly; training on a preprocess.py cache loads none of them.
 The workspace of kernels (attention, matmul) and the allocator's fragmentation are not counted: the GPU run
@@ -31,7 +34,7 @@ from opendit.models.flux import FLUX_CONFIGS, Flux, image_ids, pack_latents, tex
 GB = 1e9
 U16_BYTES = 2.03  # opendit.optim.formats.U16Format: 2 bytes + block-wise scales
 ENCODER_PARAMS = {"T5-XXL encoder": 4.762e9, "CLIP-L text": 0.123e9, "autoencoder": 0.084e9}
-EMA_BYTES = 4  # fp32, on the weights' device
+EMA_BYTES = 4  # fp32
 
 
 def activation_bytes(model: Flux, txt_tokens: int, img_tokens: int, batch: int = 1) -> tuple[int, int, list[int]]:
@@ -55,11 +58,16 @@ def activation_bytes(model: Flux, txt_tokens: int, img_tokens: int, batch: int =
 
     handles = [h for name, b in blocks for h in (b.register_forward_pre_hook(enter(name)),
                                                  b.register_forward_hook(leave))]
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}  # saved weights are not activations
+    seq = txt_tokens + img_tokens
     seen = set()
 
     def pack(t):
         key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape))
-        if key not in seen and t.is_floating_point():
+        # the L x L score matrices are the CPU math path's; FlashAttention / SDPA's efficient kernels keep only
+        # q, k, v, the output (saved anyway) and a log-sum-exp per row
+        scores = t.dim() >= 2 and t.shape[-1] == t.shape[-2] == seq
+        if key not in seen and t.is_floating_point() and key[0] not in weights and not scores:
             seen.add(key)
             per_block[owner[-1]] = per_block.get(owner[-1], 0) + t.numel() * t.element_size()
         return t
@@ -81,44 +89,51 @@ def activation_bytes(model: Flux, txt_tokens: int, img_tokens: int, batch: int =
     return root, inputs[0], [per_block.get(name, 0) for name, _ in blocks]
 
 
-def option_sets(n_params: int, block_params: list[int], root_params: int, act: tuple[int, int, list[int]],
-                swap: int) -> list[dict]:
-    """Rows of GPU / host bytes by part for each option set (see the module docstring)."""
+def option_sets(n_params: int, block_params: list[int], act: tuple[int, int, list[int]], budget: float) -> list[dict]:
+    """Rows of GPU / host bytes by part for each option set (see the module docstring); the last row swaps the
+    fewest blocks that fit `budget` bytes of GPU memory."""
     root_act, block_inputs, per_block = act
     full_act, ckpt_act = root_act + sum(per_block), root_act + block_inputs + max(per_block)
     one_block_grad = 2 * max(block_params)  # bf16 gradient of the block being updated (fused backward)
-    swapped = sum(sorted(block_params)[-swap:]) if swap else 0  # the last blocks: the single ones, all equal
-    in_flight = 2 * max(block_params)
-    encoders = sum(2 * p for p in ENCODER_PARAMS.values())
+    ema = EMA_BYTES * n_params
+    lean_host = dict(master=2 * n_params, states=2 * U16_BYTES * n_params)
+
+    def swapped(n):  # --blocks_to_swap n: the last n blocks in forward order (single blocks first)
+        return sum(block_params[len(block_params) - n:]) if n else 0
+
+    def lean_gpu(n):
+        in_flight = 2 * 2 * max(block_params) if n else 0  # the running swapped block and the prefetched next
+        return dict(weights=2 * (n_params - swapped(n)) + in_flight, grads=one_block_grad, activations=ckpt_act)
+
+    fits = next((n for n in range(len(block_params) + 1) if sum(lean_gpu(n).values()) <= budget), None)
     rows = [
-        dict(name="plain mixed precision (fp32 weights + grads, AdamW fp32 states, autocast bf16)",
-             gpu=dict(weights=4 * n_params, grads=4 * n_params, states=8 * n_params, activations=full_act)),
-        dict(name="bf16 weights + fp32 master copy, fp32 states, grad checkpointing (the usual full fine-tune)",
+        dict(name="plain mixed precision (fp32 weights + grads, AdamW fp32 states, autocast bf16, fp32 EMA)",
+             gpu=dict(weights=4 * n_params, grads=4 * n_params, states=8 * n_params, activations=full_act, ema=ema)),
+        dict(name="bf16 weights + fp32 master copy, fp32 states, fp32 EMA, grad checkpointing (a usual full "
+                  "fine-tune)",
              gpu=dict(weights=2 * n_params, grads=2 * n_params, master=4 * n_params, states=8 * n_params,
-                      activations=ckpt_act)),
-        dict(name="lean: bf16_exact master + u16 states on the host, fused backward, grad checkpointing",
-             gpu=dict(weights=2 * n_params, grads=one_block_grad, activations=ckpt_act),
-             host=dict(master=2 * n_params, states=2 * U16_BYTES * n_params)),
-        dict(name=f"lean + --blocks_to_swap {swap}",
-             gpu=dict(weights=2 * (n_params - swapped) + in_flight, grads=one_block_grad, activations=ckpt_act),
-             host=dict(weights=2 * swapped, master=2 * n_params, states=2 * U16_BYTES * n_params)),
+                      activations=ckpt_act, ema=ema)),
+        dict(name="lean: bf16_exact master + u16 states on the host, fused backward, grad checkpointing, "
+                  "--ema_on_host", gpu=lean_gpu(0), host={**lean_host, "ema": ema}),
+        dict(name="lean, --ema_decay 0 (no EMA, as sd-scripts)", gpu=lean_gpu(0), host=dict(lean_host)),
     ]
-    for row in rows:
-        row.setdefault("host", {})
-        row["encoders_on_the_fly_gpu"] = encoders
-        row["ema_fp32"] = EMA_BYTES * n_params
+    if fits:
+        rows.append(dict(name=f"lean, no EMA, --blocks_to_swap {fits} (the fewest that fit {budget / 2**30:.0f} GiB)",
+                         gpu=lean_gpu(fits), host={**lean_host, "weights": 2 * swapped(fits)}))
     return rows
 
 
-def table(rows, label: str) -> str:
-    parts = ("weights", "grads", "master", "states", "activations")
-    head = "| option set | " + " | ".join(f"GPU {p}" for p in parts) + " | GPU total | host total | + encoders (on the fly) | + EMA (fp32) |"
-    out = [f"### {label}", "", head, "|---|" + "---:|" * (len(parts) + 4)]
+def table(rows, label: str, encoders: float) -> str:
+    parts = ("weights", "grads", "master", "states", "activations", "ema")
+    head = "| option set | " + " | ".join(f"GPU {p}" for p in parts) + " | GPU total | host total |"
+    out = [f"### {label}", "", head, "|---|" + "---:|" * (len(parts) + 2)]
     for r in rows:
-        gpu, host = sum(r["gpu"].values()), sum(r["host"].values())
+        gpu, host = sum(r["gpu"].values()), sum(r.get("host", {}).values())
         cells = [f"{r['gpu'].get(p, 0) / GB:.1f}" for p in parts]
-        out.append(f"| {r['name']} | " + " | ".join(cells) + f" | **{gpu / GB:.1f}** | {host / GB:.1f} | "
-                   f"+{r['encoders_on_the_fly_gpu'] / GB:.1f} GPU | +{r['ema_fp32'] / GB:.1f} |")
+        out.append(f"| {r['name']} | " + " | ".join(cells) + f" | **{gpu / GB:.1f}** | {host / GB:.1f} |")
+    out += ["", f"Encoding on the fly adds the frozen encoders in bf16 on the GPU: {encoders / GB:.1f} GB "
+                f"({', '.join(f'{k} {2 * v / GB:.2f}' for k, v in ENCODER_PARAMS.items())}); training on a "
+                f"preprocess.py cache loads none of them."]
     return "\n".join(out)
 
 
@@ -127,7 +142,7 @@ def main():
     p.add_argument("--model", default="flux-dev", choices=[m for m in FLUX_CONFIGS if m != "flux-debug"])
     p.add_argument("--image_size", type=int, default=1024)
     p.add_argument("--t5_tokens", type=int, default=512)
-    p.add_argument("--blocks_to_swap", type=int, default=20)
+    p.add_argument("--budget_gib", type=float, default=16.0, help="GPU memory the last row must fit")
     p.add_argument("--out", default=None, help="also write the table to this Markdown file")
     a = p.parse_args()
     with torch.device("meta"):
@@ -136,10 +151,10 @@ def main():
     block_params = [sum(q.numel() for q in b.parameters()) for b in [*model.double_blocks, *model.single_blocks]]
     img_tokens = (a.image_size // 16) ** 2  # 8x autoencoder, then 2x2 patches
     act = activation_bytes(model, a.t5_tokens, img_tokens)
-    rows = option_sets(n_params, block_params, n_params - sum(block_params), act, a.blocks_to_swap)
+    rows = option_sets(n_params, block_params, act, a.budget_gib * 2 ** 30)
     label = (f"{a.model}: {n_params / 1e9:.2f}B parameters, {a.image_size}x{a.image_size} ({img_tokens} image + "
              f"{a.t5_tokens} text tokens), batch 1, GB = 1e9 bytes")
-    text = table(rows, label)
+    text = table(rows, label, sum(2 * v for v in ENCODER_PARAMS.values()))
     text += (f"\n\nActivations (bf16, from a meta-device forward): all saved tensors {(act[0] + sum(act[2])) / GB:.1f}"
              f" GB; with checkpointing every block: block inputs {act[1] / GB:.2f} GB + the largest block "
              f"{max(act[2]) / GB:.2f} GB + root {act[0] / GB:.2f} GB.")

@@ -139,7 +139,10 @@ class TrainConfig:
     fused_backward: bool = opt(False, "update each parameter in its gradient hook and free the gradient at once")
     blocks_to_swap: int = opt(0, "keep the last N blocks' weights on the host, streamed to the GPU one block "
                                  "ahead (one process, --plugin ddp)")
-    ema_decay: float = opt(0.9999, "EMA of the weights, updated every step (starts as a copy)")
+    ema_decay: float = opt(0.9999, "EMA of the weights, updated every step (starts as a copy); 0: no EMA (sampling "
+                                   "uses the weights; saves 4 bytes per parameter)")
+    ema_on_host: bool = opt(False, "keep the EMA (fp32) in host memory, one process: e.g. flux-dev's 48 GB off the "
+                                   "GPU; each step copies the weights to the host")
     global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
     num_workers: int = opt(4, "DataLoader worker processes per rank")
     log_every: int = opt(50, "steps between log lines (loss, lr, img/s, MFU)")

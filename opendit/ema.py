@@ -105,18 +105,24 @@ class ShardedEMA:
     are partitioned; default: the whole world when a process group exists.
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, dp_group=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, decay: float = 0.9999, dp_group=None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        """device: where the EMA lives (None: beside each parameter; "cpu": host memory, one process only,
+        e.g. a 12B model's 48 GB fp32 EMA kept off the GPU; each update then copies the weights to the host)."""
         self.decay = self._check_decay(decay)
         self.dtype = dtype
         params = named_parameters(model)
         plain = [p for p in params.values() if not isinstance(p, DTensor)]
+        if device is not None and (len(plain) < len(params) or (dist.is_initialized() and dist.get_world_size() > 1)):
+            raise ValueError("an EMA in host memory (--ema_on_host) is for one process; with several, the EMA is "
+                             "already sharded over the ranks: leave the option out")
         mesh = _dp_mesh(dp_group, plain[0].device.type) if plain else None
         self._specs: dict[str, _Spec] = {}
         self._shards: dict[str, torch.Tensor] = {}  # local EMA storage, one tensor per parameter
         with torch.no_grad():
             for name, p in params.items():
                 self._specs[name] = self._make_spec(p, mesh)
-                self._shards[name] = self._local_param(name, p).detach().to(dtype=dtype, copy=True)
+                self._shards[name] = self._local_param(name, p).detach().to(device=device, dtype=dtype, copy=True)
 
     @staticmethod
     def _check_decay(decay: float) -> float:
@@ -166,7 +172,8 @@ class ShardedEMA:
             raise ValueError(f"model parameters differ from the EMA's: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(extra)[:5]}; build the EMA from this model")
         emas = list(self._shards.values())
-        srcs = [self._local_param(n, params[n]).detach().to(self.dtype) for n in self._shards]
+        srcs = [self._local_param(n, params[n]).detach().to(device=e.device, dtype=self.dtype)
+                for n, e in self._shards.items()]
         torch._foreach_mul_(emas, d)
         torch._foreach_add_(emas, srcs, alpha=1.0 - d)
 

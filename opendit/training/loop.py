@@ -84,6 +84,9 @@ class Trainer:
         spec = self.family.models[cfg.model]
         self.sp_kind = validate_sp(self.dist.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
                                    spec.num_heads, kinds=spec.sp_kinds)
+        if cfg.ema_on_host and (self.dist.world_size > 1 or cfg.ema_decay == 0):
+            raise ValueError("--ema_on_host is for one process with an EMA (--ema_decay > 0); with several "
+                             "processes the EMA is already sharded over the ranks: leave it out")
         if cfg.grad_accum < 1 or cfg.batch_size % (booster.dp_size * cfg.grad_accum):
             raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
                              f"{booster.dp_size} x --grad_accum {cfg.grad_accum}")
@@ -128,7 +131,8 @@ class Trainer:
         self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_opts, cfg.grad_accum)
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
             logger.info("optimizer step: torch's fused AdamW kernel over all parameters at once (multi-tensor)")
-        self.ema = ShardedEMA(self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh)
+        self.ema = None if cfg.ema_decay == 0 else ShardedEMA(  # 0: no EMA, the weights themselves are sampled
+            self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh, device="cpu" if cfg.ema_on_host else None)
 
     def _resume(self) -> None:
         self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
@@ -225,7 +229,8 @@ class Trainer:
         grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if clip else None
         if booster.step(self.optimizer):
             self.scheduler.step()
-            self.ema.update(self.model)
+            if self.ema is not None:
+                self.ema.update(self.model)
         return total, grad_norm
 
     def save(self) -> None:
@@ -234,7 +239,8 @@ class Trainer:
             extra["loss_scaler"] = self.booster.scaler.state_dict()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
                                lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last)
-        export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
+        if self.ema is not None:  # without one, sample.py reads the checkpoint's weights
+            export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
         if self.dist.rank == 0:
             cfglib.save_yaml(self.cfg, Path(path) / "config.yaml")
         dist.barrier()
