@@ -8,7 +8,7 @@ torch.optim.AdamW (fp32 states); every state tensor of more than 4096 elements i
 in each format, and sum|x - decode(encode(x))| / sum|x| is reported separately for exp_avg and exp_avg_sq.
 
 Bytes table: the optimizer allocates its states for the real parameter shapes of DiT-XL/2 (the model
-itself) and FLUX.1-dev (shapes from shared/reference) on the meta device, so the sizes are those of the
+itself) and FLUX.1-dev (opendit's FLUX model, whose shapes are the official release's) on the meta device, so the sizes are those of the
 tensors it creates, with no memory used; placement decides which column (device or host) they count in.
 """
 import argparse
@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from opendit.optim import build_optimizer  # noqa: E402
 from opendit.optim.formats import Bf16Format, F24Format, U16Format  # noqa: E402
 
-REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "reference")
 
 
 # ---- error table -------------------------------------------------------------------------------
@@ -101,14 +100,10 @@ def dit_xl2_params():
 
 
 def flux_dev_params():
-    shapes = []
-    with open(os.path.join(REFERENCE, "flux1-dev_state_dict.tsv")) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            _, shape = line.rstrip("\n").split("\t")
-            shapes.append(tuple(int(s) for s in shape.strip("()").split(",") if s.strip()))
-    return shapes
+    from opendit.models.flux import FLUX_CONFIGS, Flux
+    with torch.device("meta"):
+        model = Flux(**FLUX_CONFIGS["flux-dev"])  # the official release's keys and shapes
+    return [p.shape for p in model.parameters()]
 
 
 def state_bytes(shapes, name, fmt, master, dtype):
