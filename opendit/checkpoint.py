@@ -368,3 +368,22 @@ def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path!r} does not hold a state_dict of tensors")
     return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def load_into_meta_model(model: torch.nn.Module, state: dict, source: str, keep_dtype: bool = False) -> None:
+    """Fill a model built on the meta device with `state` (strict: every key, every shape): no time or memory
+    goes into weights the file replaces (12B parameters take minutes to initialise). Tensors are taken as
+    stored when keep_dtype (e.g. an official FLUX file's bf16, for a bf16 run), else floats become fp32."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{source} does not fit {type(model).__name__}: missing keys {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}; check --model "
+                         f"(and the model's input settings) against the checkpoint")
+    if not keep_dtype:
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{source}: {type(model).__name__} has tensors outside its state dict ({left[:3]}); "
+                         f"it cannot be filled from a file")

@@ -10,7 +10,7 @@ import torch
 from opendit import config as cfglib
 from opendit.booster.parallelize import apply_compile
 from opendit.booster.precision import cast_forward_io, compute_dtype
-from opendit.checkpoint import latest_run_checkpoint, load_weights
+from opendit.checkpoint import latest_run_checkpoint, load_into_meta_model, load_weights
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
 
@@ -62,9 +62,11 @@ def load_model(cfg: cfglib.SampleConfig, device) -> LoadedModel:
     run = family.sampling_config(trained, flags)
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
-    model = family.build_model(run, shape)
+    with torch.device("meta"):  # the weights come from the file: no random init (minutes for 12B parameters)
+        model = family.build_model(run, shape)
     check_model_contract(model, name)
-    model.load_state_dict(state if state is not None else load_weights(str(weights)), strict=True)
+    load_into_meta_model(model, state if state is not None else load_weights(str(weights)), f"--ckpt {path}",
+                         keep_dtype=cfg.mixed_precision == "bf16")
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
     logger.info("loaded %s (%s, family %s, input %s, vae %s)", weights, name, family.name,

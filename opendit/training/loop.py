@@ -13,7 +13,8 @@ from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
 from opendit.booster.precision import set_tf32
 from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
-                                load_weights, rng_state, save_checkpoint, set_rng_state)
+                                load_into_meta_model, load_weights, rng_state, save_checkpoint,
+                                set_rng_state)
 from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
@@ -101,7 +102,8 @@ class Trainer:
             if cfg.init_weights:  # no random init of what the file replaces (12B parameters take minutes)
                 with torch.device("meta"):
                     model = self.family.build_model(cfg, shape)
-                load_initial_weights(model, cfg.init_weights, keep_dtype=cfg.master_weights != "fp32")
+                load_into_meta_model(model, load_weights(cfg.init_weights), f"--init_weights {cfg.init_weights}",
+                                     keep_dtype=cfg.master_weights != "fp32")
             else:
                 model = self.family.build_model(cfg, shape)
         check_model_contract(model, cfg.model)
@@ -246,20 +248,3 @@ class Trainer:
         dist.barrier()
         logger.info("saved checkpoint %s", path)
 
-
-def load_initial_weights(model: torch.nn.Module, path: str, keep_dtype: bool) -> None:
-    """Fill a meta-device model from `path` (strict: every key, every shape). The tensors are taken as stored
-    (an official FLUX file: bf16) when a bf16 --master_weights mode will cast to bf16 anyway; else as fp32."""
-    state = load_weights(path)  # a checkpoint folder: its EMA
-    missing, unexpected = sorted(set(model.state_dict()) - set(state)), sorted(set(state) - set(model.state_dict()))
-    if missing or unexpected:
-        raise ValueError(f"--init_weights {path}: does not fit {type(model).__name__}; missing keys "
-                         f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}; "
-                         f"check --model (and the model's input settings) against the checkpoint")
-    if not keep_dtype:
-        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"--init_weights: {type(model).__name__} has tensors outside its state dict ({left[:3]}); "
-                         f"it cannot start from a file")
