@@ -197,3 +197,27 @@ def test_memory_accounting_and_lean_step_benchmarks_run_on_cpu(tmp_path):
         "--out", tmp_path / "lean.md")
     last = (tmp_path / "lean.md").read_text().splitlines()[-1].split("|")
     assert np.isfinite(float(last[7]))  # the step ran and its loss is a number
+
+
+def test_a_bare_official_layout_file_samples_once_its_encoders_are_named(tmp_path, encoders):
+    """A .safetensors with FLUX's keys and no opendit config (as flux1-dev.safetensors) names its model from the
+    keys; the encoders must come from flags."""
+    import sys
+
+    from safetensors.torch import save_file
+
+    from tests.test_train import ROOT
+
+    trainer, _ = run_trainer(flux_cfg(tmp_path, encoders, max_steps=1))
+    state = trainer.booster.unwrap(trainer.model).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "flux1-debug.safetensors"))
+    sys.path.insert(0, str(ROOT))
+    import sample
+
+    t5, clip = encoders
+    base = dict(ckpt=str(tmp_path / "flux1-debug.safetensors"), image_size=8, in_channels=1, prompts=["a one"],
+                num_sampling_steps=2, npz=True)
+    with pytest.raises(ValueError, match="--vae --t5 --clip"):
+        sample.main(cfglib.SampleConfig(**base, out=str(tmp_path / "x")))
+    sample.main(cfglib.SampleConfig(**base, vae="none", t5=t5, clip=clip, out=str(tmp_path / "s")))
+    assert np.load(tmp_path / "s" / "samples.npz")["arr_0"].shape == (1, 8, 8, 3)

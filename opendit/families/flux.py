@@ -17,7 +17,7 @@ import torch
 from opendit.data import build_dataset
 from opendit.diffusion.flow import RectifiedFlow, euler_sample, flux_schedule
 from opendit.encoders.text import load_t5_encoder, load_text_encoder, t5_encoder_dim, text_encoder_dim
-from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode, load_vae
+from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec
 from opendit.families.image import ImageDiffusionFamily
 from opendit.families.writers import ImageWriter
@@ -62,17 +62,13 @@ class FlowObjective:
         self.flow = RectifiedFlow()
 
     def _latents(self, x, device):
-        enc, cfg = self.encoders, self.cfg
-        if isinstance(x, (list, tuple)):  # a cached posterior
+        vae, scale = self.encoders.vae, self.cfg.vae_scale
+        if isinstance(x, (list, tuple)):  # a cached posterior: one sample, drawn as encode() draws it
             mean, std = (t.to(device, non_blocking=True) for t in x)
-        elif enc.vae is not None:
-            param = next(enc.vae.parameters())
-            posterior = enc.vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
-            mean, std = posterior.mean.float(), posterior.std.float()
-        else:
-            return x.to(device, non_blocking=True)
-        z = mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)
-        return (z - self.vae_shift) * cfg.vae_scale
+            return scale_latents(mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype), scale,
+                                 self.vae_shift)
+        x = x.to(device, non_blocking=True)
+        return x if vae is None else encode(vae, x, scale=scale, shift=self.vae_shift)
 
     def prepare(self, batch, device):
         if len(batch) == 5:  # cached: (mean, std), labels, captions, T5, CLIP
@@ -192,8 +188,16 @@ class FluxFamily(ImageDiffusionFamily):
         name = next((n for n, a in FLUX_CONFIGS.items() if a["hidden_size"] == hidden
                      and a["guidance_embed"] == ("guidance_in.in_layer.weight" in keys)
                      and a["depth"] == len({k.split(".")[1] for k in keys if k.startswith("double_blocks.")})), None)
-        settings = dict(dataset="captions", image_size=1024, vae="none", num_classes=0)
+        settings = dict(dataset="captions", image_size=1024, num_classes=0)  # the VAE, T5 and CLIP: from flags
         return ({**settings, "model": name} if name else settings), None
+
+    def sampling_config(self, settings: dict, flags: dict):
+        missing = [k for k in ("vae", "t5", "clip") if {**settings, **flags}.get(k) is None]
+        if missing:
+            raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in missing)} "
+                             f"(local folders; a FLUX.1 repository folder holds vae/, text_encoder/ and "
+                             f"text_encoder_2/: --vae DIR/vae --t5 DIR --clip DIR)")
+        return super().sampling_config(settings, flags)
 
     def conditions(self, sample_cfg, cfg) -> list:
         if sample_cfg.class_labels:
@@ -263,9 +267,7 @@ class FluxFamily(ImageDiffusionFamily):
 
     @torch.no_grad()
     def cache_encode(self, encoders: FluxEncoders, x, captions=None) -> dict:
-        param = next(encoders.vae.parameters())
-        posterior = encoders.vae.encode(x.to(device=param.device, dtype=param.dtype)).latent_dist
-        out = {"mean": posterior.mean.float().cpu(), "std": posterior.std.float().cpu()}
+        out = super().cache_encode(encoders, x)  # the VAE posterior's mean and std
         if captions is not None:
             t5, clip = encoders.encode(list(captions), "cpu")
             out.update(t5=t5, clip=clip)
