@@ -59,7 +59,8 @@ def motion(clips: np.ndarray) -> dict:
     velocity = np.stack([np.diff(cx, axis=1), np.diff(cy, axis=1)], axis=-1)  # [n, T-1, 2]
     step = np.linalg.norm(velocity, axis=-1)
     accel = np.linalg.norm(np.diff(velocity, axis=1), axis=-1)
-    return {"mean_step_px": float(step.mean()), "mean_velocity_change_px": float(accel.mean()),
+    return {"mean_step_px": float(step.mean()),
+            "mean_velocity_change_px": float(accel.mean()) if t > 2 else None,  # needs 3 frames
             "steps_at_most_2px": float((step <= 2.0).mean())}
 
 

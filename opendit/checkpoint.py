@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -41,6 +42,53 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _REQUIRED = (".metadata", "trainer.pt", "meta.json", "ranks")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file admitting only the classes such a file holds (torch's own reader uses
+    plain pickle.load, which runs whatever a planted file asks for)."""
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+                ("builtins", "set"), ("builtins", "frozenset"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module, name):
+        found = super().find_class(module, name) if module.startswith(("torch", "pathlib", "collections",
+                                                                        "builtins")) else None
+        if (module, name) in self._ALLOWED or isinstance(found, torch.dtype) or (
+                module == "torch.distributed.checkpoint.metadata" and isinstance(found, type)):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read by _MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = os.path.join(str(self.path), ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path}: refusing to unpickle it ({e}); a tampered or foreign file") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner, but a non-tensor value must unpickle with weights_only=True before it is used."""
+
+    def load_bytes(self, read_item, value):
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"checkpoint value {read_item.dest_index.fqn!r}: refusing to unpickle it "
+                             f"({str(e).splitlines()[0]})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _dist() -> bool:
@@ -119,8 +167,13 @@ def resolve_checkpoint(path_or_latest: str | None, root: str | None = None) -> s
 
 
 def rng_state() -> dict:
-    """This process's torch (CPU and current CUDA device), numpy and python RNG states."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's torch (CPU and current CUDA device), numpy and python RNG states, as tensors and plain
+    Python values only, so a checkpoint loads with torch.load(weights_only=True) (no code runs on load)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+             "python": [version, torch.tensor(internal, dtype=torch.int64), py_gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's current device
     return state
@@ -128,8 +181,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, py_gauss = state["python"]
+    random.setstate((version, tuple(int(v) for v in internal.tolist()), py_gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -242,7 +297,7 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=not _dist())
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=not _dist())
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions())
     else:
@@ -250,12 +305,21 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
                        options=StateDictOptions())
     if ema is not None:
         ema.load_state_dict(state["ema"])
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=False)
+    trainer = _safe_load(os.path.join(path, "trainer.pt"))
     if lr_scheduler is not None:
         if trainer["lr_scheduler"] is None:
             raise ValueError(f"checkpoint {path!r} has no lr scheduler state; pass lr_scheduler=None")
         lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     return trainer["step"], _restore_rank_state(path, trainer, meta["world_size"])
+
+
+def _safe_load(path: str):
+    """torch.load restricted to tensors and plain containers: a planted pickle is refused, never run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds objects other than tensors and plain values (a checkpoint from an older "
+                         f"opendit, or a tampered file); refusing to unpickle it: {str(e).splitlines()[0]}") from None
 
 
 def _rank_file(path: str, rank: int) -> str:
@@ -266,7 +330,7 @@ def _restore_rank_state(path: str, trainer: dict, saved_world: int) -> dict:
     """Set this rank's RNG states from the checkpoint and return its `extra`."""
     rank_file = _rank_file(path, _rank())
     if os.path.exists(rank_file):
-        state = torch.load(rank_file, map_location="cpu", weights_only=False)
+        state = _safe_load(rank_file)
         set_rng_state(state["rng"])
         return state["extra"]
     log.warning("checkpoint %s was saved by %d ranks and has no state for rank %d; seeding its RNG from "
@@ -320,7 +384,7 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     """Full tensors of one top-level entry ("ema" or "model") of a step directory, in this process."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _SafeReader(path).read_metadata()
     prefix = key + "."
     state = {fqn[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in metadata.state_dict_metadata.items()
@@ -328,7 +392,7 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     if not state:
         raise KeyError(f"checkpoint {path!r} holds no {key!r} weights; use key='model' or another checkpoint")
     with _quiet_single_process():
-        dcp.load({key: state}, checkpoint_id=path, no_dist=True)
+        dcp.load({key: state}, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=True)
     return state
 
 
