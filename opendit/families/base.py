@@ -6,7 +6,7 @@ writes. `Trainer`, `opendit.inference`, `sample.py` and `preprocess.py` ask the 
 a model's name. docs/architecture.md walks through adding a family.
 """
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -163,9 +163,7 @@ class ModelFamily:
 
     def sample_defaults(self, sample_cfg, cfg):
         """The sample.py config with the family's defaults where a flag was left out (sampler, steps, cfg)."""
-        import dataclasses
-
-        return dataclasses.replace(
+        return replace(
             sample_cfg, sampler=sample_cfg.sampler or self.samplers[0],
             num_sampling_steps=sample_cfg.num_sampling_steps or self.default_sampling_steps(cfg),
             cfg_scale=self.default_cfg_scale if sample_cfg.cfg_scale is None else sample_cfg.cfg_scale)
