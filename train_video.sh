@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch video DiT training. RECIPE=moving_digits (the built-in demo, CPU-sized: Latte-Ti/4 on 8-frame 16 px
+# Launch video DiT training. RECIPE=moving_digits (the built-in demo, CPU-sized: Latte-Ti/4 on 3-frame 16 px
 # clips of moving digits) or RECIPE=ucf101 (Latte's paper setting: Latte-XL/2, 16 frames every 3rd, 256 px,
 # lr 1e-4, UCF-101's 101 classes from a CSV of path,label). NGPU, MODEL and extra flags come from the
 # environment / command line:
@@ -11,8 +11,8 @@ RECIPE=${RECIPE:-moving_digits}
 case "$RECIPE" in
   moving_digits)
     MODEL=${MODEL:-Latte-Ti/4}
-    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 8 --vae none --batch_size 32 \
-      --lr 1e-3 --ema_decay 0.995 --max_steps 1500 --ckpt_every 500 --log_every 50 --num_workers 0 "$@" ;;
+    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 3 --vae none --batch_size 48 \
+      --lr 2e-3 --ema_decay 0.995 --max_steps 1500 --ckpt_every 500 --log_every 50 --num_workers 0 "$@" ;;
   ucf101)
     MODEL=${MODEL:-Latte-XL/2}
     set -- --model "$MODEL" --dataset video_csv --data_path "${DATA:?set DATA to a CSV of path,label (UCF-101)}" \

@@ -1,0 +1,28 @@
+"""The quality benchmarks' smoke runs: train a few steps, sample, classify, print the JSON result."""
+import json
+
+import pytest
+
+from tests.test_video_family import cli
+
+
+def result_of(out) -> dict:
+    text = out.stdout
+    return json.loads(text[text.index("{"):text.rindex("}") + 1])
+
+
+@pytest.mark.slow
+def test_video_quality_smoke(tmp_path):
+    out = cli("benchmarks/video_quality.py", "--max_steps", "3", "--batch_size", "4", "--samples_per_class", "1",
+              "--sampling_steps", "2", "--outputs", tmp_path)
+    result = result_of(out)
+    assert 0 <= result["generated_frame_accuracy"] <= 1 and result["clips"] == 10
+    assert result["motion_generated"]["mean_velocity_change_px"] is not None  # 3 frames: defined
+
+
+@pytest.mark.slow
+def test_flux_quality_smoke(tmp_path):
+    out = cli("benchmarks/flux_quality.py", "--max_steps", "3", "--batch_size", "8", "--samples_per_digit", "1",
+              "--sampling_steps", "2", "--outputs", tmp_path)
+    result = result_of(out)
+    assert 0 <= result["prompted_digit_accuracy"] <= 1 and result["samples"] == 10
