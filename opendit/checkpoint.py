@@ -297,7 +297,9 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=not _dist())
+        reader = _SafeReader(path)
+        reader.read_metadata()  # a refused .metadata raises here, plainly, not wrapped by DCP's collective
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _dist())
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions())
     else:
