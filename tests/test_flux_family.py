@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.test_train import run_trainer
+from tests.test_train import run_trainer, save_tiny_vae
 from tests.test_video_family import cli, losses_of
 
 
@@ -28,17 +28,6 @@ def flux_cfg(outputs, encoders, **kw):
                 max_steps=3, log_every=1, ckpt_every=100, num_workers=0, outputs=str(outputs), lr=1e-3,
                 ema_decay=0.9)
     return cfglib.TrainConfig(**{**base, **kw})
-
-
-def save_tiny_flux_vae(folder):
-    """An AutoencoderKL with FLUX's 16 latent channels and 8x downsampling, 8-wide layers."""
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=16, norm_num_groups=8,
-                  sample_size=32).save_pretrained(folder)
-    return str(folder)
 
 
 def test_demo_trains_and_samples_from_the_command_line(tmp_path, encoders):
@@ -90,7 +79,7 @@ def test_a_missing_text_encoder_is_a_clear_error(tmp_path, encoders):
 
 def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, encoders):
     t5, clip = encoders
-    vae = save_tiny_flux_vae(tmp_path / "vae")
+    vae = save_tiny_vae(tmp_path / "vae", latent_channels=16)  # FLUX's 16 latent channels
     cli("preprocess.py", "--family", "flux", "--model", "flux-debug", "--dataset", "captioned_digits",
         "--image_size", "32", "--vae", vae, "--t5", t5, "--clip", clip, "--out", tmp_path / "cache",
         "--batch_size", "256", "--num_workers", "0")

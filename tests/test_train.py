@@ -73,13 +73,14 @@ def test_bad_input_gives_clear_error(tmp_path, overrides, match):
         run_trainer(tiny_cfg(tmp_path, **overrides))
 
 
-def save_tiny_vae(folder):
-    """A 4-level AutoencoderKL (8x downsampling and 4 latent channels, like SD's VAE) with 8-wide layers."""
+def save_tiny_vae(folder, latent_channels: int = 4):
+    """A 4-level AutoencoderKL (8x downsampling; 4 latent channels like SD's VAE, 16 like FLUX's) with 8-wide
+    layers."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
     AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
                   sample_size=32).save_pretrained(folder)
     return str(folder)
 

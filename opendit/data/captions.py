@@ -20,11 +20,10 @@ import os
 
 import numpy as np
 from PIL import Image
-from torch.utils.data import Dataset
 
 from opendit.data.digits import DigitsDataset
-from opendit.data.image_folder import IMAGE_EXTENSIONS
-from opendit.data.transforms import center_crop_arr, check_image_size, to_signed_tensor
+from opendit.data.image_folder import IMAGE_EXTENSIONS, ImageFolderDataset
+from opendit.data.transforms import check_image_size
 from opendit.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -111,7 +110,7 @@ def read_caption_table(path: str) -> list[tuple[str, str]]:
     return samples
 
 
-class CaptionedImageDataset(Dataset):
+class CaptionedImageDataset(ImageFolderDataset):
     """item = (float32 [channels, S, S] in [-1, 1], str caption), ADM center crop, optional deterministic flip.
 
     data_path: a folder of images with .txt captions, or a .csv / .jsonl listing (see the module doc).
@@ -126,7 +125,7 @@ class CaptionedImageDataset(Dataset):
 
     def __init__(self, data_path: str, image_size: int, channels: int = 3, random_flip: bool = False,
                  seed: int = 0):
-        self.data_path = os.fspath(data_path)
+        self.data_path = self.root = os.fspath(data_path)  # (not ImageFolderDataset's __init__: no class folders)
         self.image_size = check_image_size(image_size)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
@@ -164,42 +163,13 @@ class CaptionedImageDataset(Dataset):
     def captions(self) -> list[str]:
         return [caption for _, caption in self.samples]
 
-    @property
-    def num_skipped(self) -> int:
-        return len(self._bad)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
     def _load(self, path: str) -> Image.Image:
-        with Image.open(path) as image:
-            image.load()  # decode now so truncated files fail here, not later
-            image = image.convert("RGB")
-        image = center_crop_arr(image, self.image_size)
+        image = super()._load(path)
         return image.convert("L") if self.channels == 1 else image
 
-    def __getitem__(self, index: int):
-        n = len(self.samples)
-        for offset in range(n):
-            i = (index + offset) % n
-            if i in self._bad:
-                continue
-            path, caption = self.samples[i]
-            try:
-                image = self._load(path)
-            except Exception as err:  # noqa: BLE001 -- one bad file must not end the epoch (see ImageFolderDataset)
-                self._bad.add(i)
-                logger.warning("skipping unreadable image %s: %s: %s", path, type(err).__name__, err)
-                continue
-            # the flip keys on the requested index, so a replacement does not shift other items' flips
-            if self.random_flip and mix_seed(self.seed, self.epoch, index) & 1:
-                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            return to_signed_tensor(image), caption
-        raise RuntimeError(f"all {n} captioned images of {self.data_path!r} are unreadable (see the warnings "
-                           f"above); check the files, or use --dataset captioned_digits for the built-in demo")
+    def _all_unreadable(self, n: int) -> str:
+        return (f"all {n} captioned images of {self.data_path!r} are unreadable (see the warnings above); check "
+                f"the files, or use --dataset captioned_digits for the built-in demo")
 
 
 def digit_caption(label: int, variant: int = 0) -> str:

@@ -97,6 +97,8 @@ class ImageFolderDataset(Dataset):
             if self._flip(index):
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             return to_signed_tensor(image), label
-        raise RuntimeError(
-            f"all {n} images under {self.root!r} are unreadable (see the warnings above); "
-            f"check the files, or use --dataset digits for the built-in demo set")
+        raise RuntimeError(self._all_unreadable(n))
+
+    def _all_unreadable(self, n: int) -> str:
+        return (f"all {n} images under {self.root!r} are unreadable (see the warnings above); "
+                f"check the files, or use --dataset digits for the built-in demo set")
