@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -36,59 +35,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from opendit.ema import ShardedEMA
+from opendit.safe_load import SafeLoadPlanner, SafeReader, safe_load
 from opendit.seeding import mix_seed
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _REQUIRED = (".metadata", "trainer.pt", "meta.json", "ranks")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata` file admitting only the classes such a file holds (torch's own reader uses
-    plain pickle.load, which runs whatever a planted file asks for)."""
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-    def find_class(self, module, name):
-        found = super().find_class(module, name) if module.startswith(("torch", "pathlib", "collections",
-                                                                        "builtins")) else None
-        if (module, name) in self._ALLOWED or isinstance(found, torch.dtype) or (
-                module == "torch.distributed.checkpoint.metadata" and isinstance(found, type)):
-            return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata read by _MetadataUnpickler."""
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = os.path.join(str(self.path), ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"{path}: refusing to unpickle it ({e}); a tampered or foreign file") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's load planner, but a non-tensor value must unpickle with weights_only=True before it is used."""
-
-    def load_bytes(self, read_item, value):
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"checkpoint value {read_item.dest_index.fqn!r}: refusing to unpickle it "
-                             f"({str(e).splitlines()[0]})") from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
 
 
 def _dist() -> bool:
@@ -297,9 +250,9 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
     with _quiet_single_process():
-        reader = _SafeReader(path)
+        reader = SafeReader(path)
         reader.read_metadata()  # a refused .metadata raises here, plainly, not wrapped by DCP's collective
-        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _dist())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not _dist())
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions())
     else:
@@ -307,21 +260,12 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
                        options=StateDictOptions())
     if ema is not None:
         ema.load_state_dict(state["ema"])
-    trainer = _safe_load(os.path.join(path, "trainer.pt"))
+    trainer = safe_load(os.path.join(path, "trainer.pt"))
     if lr_scheduler is not None:
         if trainer["lr_scheduler"] is None:
             raise ValueError(f"checkpoint {path!r} has no lr scheduler state; pass lr_scheduler=None")
         lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     return trainer["step"], _restore_rank_state(path, trainer, meta["world_size"])
-
-
-def _safe_load(path: str):
-    """torch.load restricted to tensors and plain containers: a planted pickle is refused, never run."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} holds objects other than tensors and plain values (a checkpoint from an older "
-                         f"opendit, or a tampered file); refusing to unpickle it: {str(e).splitlines()[0]}") from None
 
 
 def _rank_file(path: str, rank: int) -> str:
@@ -332,7 +276,7 @@ def _restore_rank_state(path: str, trainer: dict, saved_world: int) -> dict:
     """Set this rank's RNG states from the checkpoint and return its `extra`."""
     rank_file = _rank_file(path, _rank())
     if os.path.exists(rank_file):
-        state = _safe_load(rank_file)
+        state = safe_load(rank_file)
         set_rng_state(state["rng"])
         return state["extra"]
     log.warning("checkpoint %s was saved by %d ranks and has no state for rank %d; seeding its RNG from "
@@ -386,7 +330,7 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     """Full tensors of one top-level entry ("ema" or "model") of a step directory, in this process."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _SafeReader(path).read_metadata()
+    metadata = SafeReader(path).read_metadata()
     prefix = key + "."
     state = {fqn[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in metadata.state_dict_metadata.items()
@@ -394,7 +338,7 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     if not state:
         raise KeyError(f"checkpoint {path!r} holds no {key!r} weights; use key='model' or another checkpoint")
     with _quiet_single_process():
-        dcp.load({key: state}, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=True)
+        dcp.load({key: state}, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return state
 
 
