@@ -44,7 +44,8 @@ class FluxEncoders:
         if self.empty is None:
             t5, clip = self.encode([""], "cpu")
             self.empty = (t5[0], clip[0])
-        return tuple(e.to(device) for e in self.empty)
+        self.empty = tuple(e.to(device) for e in self.empty)  # kept there: later steps copy nothing
+        return self.empty
 
 
 def encoder_dtype(device) -> torch.dtype:
