@@ -144,12 +144,21 @@ class TrainConfig:
     ema_on_host: bool = opt(False, "keep the EMA (fp32) in host memory, one process: e.g. flux-dev's 48 GB off the "
                                    "GPU; each step copies the weights to the host")
     global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
-    num_workers: int = opt(4, "DataLoader worker processes per rank")
+    num_workers: int | None = opt(None, "DataLoader worker processes per rank; default: this machine's CPU cores "
+                                        "per process less one, at most 4")
     log_every: int = opt(50, "steps between log lines (loss, lr, img/s, MFU)")
     ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)")
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted")
     outputs: str = opt("outputs", "runs go to <outputs>/NNN-<model>/")
-    load: str | None = opt(None, "resume: a checkpoint folder, or latest (newest complete one under --outputs)")
+    load: str | None = opt(None, "resume: a checkpoint folder; latest: the newest complete one under --outputs "
+                                 "(an error if there is none); auto: the same, else start fresh (for torchrun "
+                                 "--max-restarts and requeued jobs)")
+    save_on_signal: bool = opt(True, "on SIGTERM or SIGUSR1 (preemption) every rank saves a checkpoint after the "
+                                     "current step and the run exits 0; false: the signal's default action")
+    max_bad_steps: int = opt(20, "a step whose loss or gradient norm is not finite is skipped (nothing updated); "
+                                 "this many in a row stop the run; 0: no check (saves a host sync per step)")
+    dist_timeout: float = opt(10.0, "minutes a rank waits for its peers in a collective before it fails with an "
+                                    "error (a dead or hung peer), instead of hanging")
     init_weights: str | None = opt(None, "fine-tune: start from these weights at step 0 (an official checkpoint "
                                          "such as flux1-dev.safetensors or a DiT .pt, an EMA export); keys must "
                                          "match the model exactly")
@@ -308,3 +317,49 @@ def load_yaml(cls, path):
     if unknown:
         raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {sorted(names)}")
     return cls(**data)
+
+
+def check_config(cfg) -> list[str]:
+    """Refuse the flag values no run can use, before anything is built (no process group, folder or model):
+    a ValueError "--flag value: what it must be; the fix", which the entry scripts print as one line
+    (opendit/cli.py). Returns warnings for values that work but are likely a mistake. Any config class."""
+    import math
+
+    pos, nonneg = (lambda v: v > 0, "must be > 0"), (lambda v: v >= 0, "must be >= 0")
+    prob = (lambda v: 0 <= v <= 1, "must be a probability in [0, 1]")
+    rules = dict.fromkeys(["batch_size", "lr", "log_every", "ckpt_every", "keep_last", "grad_accum", "image_size",
+                           "num_classes", "num_frames", "frame_interval", "t5_max_length", "vae_scale", "shard_size",
+                           "num_sampling_steps", "fps", "dp_replicate", "sequence_parallel_size", "in_channels",
+                           "dist_timeout"], pos)
+    rules.update(dict.fromkeys(["max_steps", "warmup_steps", "grad_clip", "weight_decay", "num_workers",
+                                "num_samples", "ddim_eta", "grad_checkpoint", "blocks_to_swap", "max_bad_steps"],
+                               nonneg))
+    rules.update(class_dropout_prob=prob, text_dropout_prob=prob,
+                 ema_decay=(lambda v: 0 <= v < 1, "must be in [0, 1): 0 turns the EMA off, DiT uses 0.9999"))
+    fixes = dict(max_steps="0 trains for --epochs", lr="e.g. 1e-4 (DiT's)", batch_size="the global batch, e.g. 256",
+                 keep_last="the newest checkpoints kept, e.g. 3", num_workers="0 loads data in the main process",
+                 num_sampling_steps="e.g. 250 (ddpm) or 50 (ddim)")
+    names = {f.name for f in dataclasses.fields(cfg)}
+    for name in sorted(names):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # None: the default decides
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{name} {value}: must be a finite number")
+        if name in rules and not rules[name][0](value):
+            fix = f"; {fixes[name]}" if name in fixes else ""
+            raise ValueError(f"--{name} {value}: {rules[name][1]}{fix}")
+    if "epochs" in names and cfg.max_steps == 0 and cfg.epochs < 1:
+        raise ValueError(f"--epochs {cfg.epochs}: must be >= 1 when --max_steps is 0; set one of them")
+    if "ckpt" in names and not cfg.ckpt:
+        raise ValueError("--ckpt is required: an EMA .safetensors, a checkpoint folder, an official DiT .pt, "
+                         "or latest (the newest checkpoint under --outputs)")
+    if isinstance(cfg, PreprocessConfig) and not cfg.out:
+        raise ValueError("--out is required: the cache folder to write")
+    warnings = []
+    if getattr(cfg, "mixed_precision", None) == "fp16":
+        import torch
+        if not torch.cuda.is_available():
+            warnings.append("--mixed_precision fp16 without a CUDA GPU runs under CPU autocast, slower than "
+                            "fp32; on a CPU use fp32 (or bf16)")
+    return warnings

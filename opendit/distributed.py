@@ -7,6 +7,7 @@ a GPU exists, gloo otherwise. A plain `python train.py` gets a one-process gloo 
 `local_tensor` gives this rank's part of a DTensor; `unwrap_model` the module inside a DDP or torch.compile
 wrapper. Both import nothing from opendit, so the booster, the optimizers and the EMA can share them.
 """
+import datetime
 import logging
 import os
 import socket
@@ -31,19 +32,32 @@ class DistInfo:
     device: torch.device
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
+    """Join (or make) the process group. timeout_minutes: how long a collective waits for a peer before it
+    fails (None: torch's default, 10 min for NCCL, 30 min for gloo)."""
     cuda = torch.cuda.is_available()
+    kw = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None)
+            dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None,
+                                    **kw)
         else:
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1, device_id=device if cuda else None)
+                                    world_size=1, device_id=device if cuda else None, **kw)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def default_num_workers() -> int:
+    """DataLoader workers per process when the user sets none: the CPU cores this process may use, shared by
+    the processes of this node, less one for the process itself; at most 4 (enough to keep a GPU fed from a
+    latent cache or decoded images of DiT's sizes)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_process = cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(0, min(4, per_process - 1))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

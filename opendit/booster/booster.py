@@ -110,9 +110,7 @@ class Booster:
         """Clip all gradients of the model to a global norm; returns the norm before clipping (a plain tensor,
         the same on every rank). Under fp16 the gradients are unscaled first."""
         params = [p for p in model.parameters() if p.grad is not None]
-        if self.scaler:
-            self.scaler.unscale_(params)
-        total = global_grad_norm(params, norm_type, self.device)
+        total = self.grad_norm(model, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_kind = {}  # one multi-tensor multiply per (device, dtype)
         for p in params:
@@ -121,6 +119,20 @@ class Booster:
         for (device, dtype), grads in by_kind.items():
             torch._foreach_mul_(grads, coef.to(device, dtype))
         return total
+
+    def grad_norm(self, model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of all gradients of the model (unscaled first under fp16), the same on every rank."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.scaler:
+            self.scaler.unscale_(params)
+        return global_grad_norm(params, norm_type, self.device)
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this step's gradients without an update (a non-finite step; not an fp16 overflow, not counted
+        by the loss scaler)."""
+        if self.scaler:
+            self.scaler.forget_step()
+        optimizer.zero_grad(set_to_none=True)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """optimizer.step() unless an fp16 step overflowed (then skipped and counted); then zero_grad."""

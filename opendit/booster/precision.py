@@ -107,6 +107,10 @@ class DynamicLossScaler:
         self._found_inf = bool(found.item() > 0)
         return self._found_inf
 
+    def forget_step(self) -> None:
+        """The step's gradients were dropped without a step: the next unscale_ starts afresh."""
+        self._found_inf = None
+
     def update(self) -> bool:
         """After the step: adjust the scale. Returns whether the step should have been taken."""
         found_inf = bool(self._found_inf)

@@ -1,6 +1,7 @@
 """The training loop in three levels: `train` (resume, cadence), `train_step` (accumulation, clipping, step,
 EMA) and the objective's `loss` (what one micro-batch costs). Everything model-specific comes from the model
 family of --model (opendit.families): data, encoders, model, objective and FLOP count."""
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -12,16 +13,17 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
 from opendit.booster.precision import set_tf32
-from opendit.checkpoint import (export_ema, latest_run_checkpoint, load_checkpoint, resolve_checkpoint,
-                                load_into_meta_model, load_weights, rng_state, save_checkpoint,
+from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
+                                resolve_checkpoint, load_into_meta_model, load_weights, rng_state, save_checkpoint,
                                 set_rng_state)
-from opendit.distributed import all_reduce_mean, broadcast_object, init_distributed
+from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter
+from opendit.training.guard import PeerTimeoutError, StepGuard, is_timeout
 from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
                                         prepare_boosted_optimizer, validate_optimizer)
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
@@ -50,9 +52,13 @@ def micro_batches(x: torch.Tensor, cond: dict, n: int) -> list[tuple[torch.Tenso
 
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
+        cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
         self.family = family_of(cfg.model)
         cfg = self.family.resolve_config(cfg)
-        self.dist = init_distributed()
+        if cfg.num_workers is None:
+            cfg = dataclasses.replace(cfg, num_workers=default_num_workers())
+        self.guard = StepGuard(cfg.max_bad_steps, cfg.save_on_signal)
+        self.dist = init_distributed(cfg.dist_timeout)
         setup_logging(self.dist.rank)
         set_tf32(self.dist.device, cfg.tf32)
         self.booster = self._validated_booster(cfg)  # every impossible combination fails before any work
@@ -61,12 +67,13 @@ class Trainer:
         self.resume_from = self._resolve_resume(cfg)
         self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
         self.dataset, self.cfg = self.family.load_data(cfg, self.encoders)  # settings the data decides
-        self.run_dir = self._make_run_dir()
         self.objective = self.family.objective(self.cfg, self.encoders)
         self._boost(self._build_model())
         self.step = 0
         if self.resume_from is not None:
             self._resume()
+        self.last_checkpoint = self.resume_from
+        self.run_dir = self._make_run_dir()  # only now: a run that cannot start leaves no folder behind
         # from the epoch's start, not from a resumed position (len(loader) counts what is left of this epoch)
         steps_per_epoch = self.loader.sampler.epoch_samples(0) // self.cfg.batch_size
         self.total_steps = self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
@@ -162,23 +169,42 @@ class Trainer:
             return None
         path = None
         if self.dist.rank == 0:
-            path = latest_run_checkpoint(cfg.outputs) if cfg.load == "latest" else resolve_checkpoint(cfg.load)
+            if cfg.load == "auto":
+                path = find_resume_checkpoint(cfg.outputs)
+                logger.info("--load auto: %s", f"resuming from {path}" if path else
+                            f"no complete checkpoint under {cfg.outputs}, starting a new run")
+            else:
+                path = latest_run_checkpoint(cfg.outputs) if cfg.load == "latest" else resolve_checkpoint(cfg.load)
         return broadcast_object(path)
 
     def _make_run_dir(self) -> Path:
-        """A resumed run continues in the run folder that holds its checkpoint; a new run gets the next number."""
+        """A resumed run continues in the run folder that holds its checkpoint and records this segment's
+        configuration beside the first one's (config-from-step-000300.yaml); a new run gets the next number."""
         if self.dist.rank == 0:
             if self.resume_from is not None and Path(self.resume_from).parent.name == "checkpoints":
                 run = Path(self.resume_from).parent.parent
+                name = f"config-from-{Path(self.resume_from).name}.yaml"
             else:
-                run = new_run_dir(self.cfg.outputs, self.cfg.model)
-            cfglib.save_yaml(self.cfg, run / "config.yaml")
+                run, name = new_run_dir(self.cfg.outputs, self.cfg.model), "config.yaml"
+            cfglib.save_yaml(self.cfg, run / name)
         else:
             run = None
         return Path(broadcast_object(str(run) if run else None))
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self) -> list[float]:
+        with self.guard:  # SIGTERM / SIGUSR1 handlers while the loop runs
+            try:
+                return self._train()
+            except RuntimeError as e:
+                if not is_timeout(e):
+                    raise
+                raise PeerTimeoutError(
+                    f"step {self.step + 1}: another rank did not answer within --dist_timeout {self.cfg.dist_timeout} "
+                    f"min (it died, hangs, or is far slower); the last checkpoint is {self.last_checkpoint}: "
+                    f"resume with --load auto") from e
+
+    def _train(self) -> list[float]:
         cfg, losses = self.cfg, []
         log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step, mfu_meter=self.mfu)
         logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
@@ -186,27 +212,38 @@ class Trainer:
         self.model.train()
         # the loss stays a device tensor between logs: no host sync per step, so the host queues the next
         # step's kernels while the device still runs this one (float64: the sum a Python float would give)
-        interval_loss, interval_steps = torch.zeros((), dtype=torch.float64, device=self.dist.device), 0
+        interval_loss = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        interval_steps = interval_good = 0
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
             for batch in self.loader:
-                loss, grad_norm = self.train_step(batch)
+                loss, grad_norm, skipped = self.train_step(batch)
                 self.loader.advance()
                 self.step += 1
-                interval_loss, interval_steps = interval_loss + loss, interval_steps + 1
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    mean_loss = all_reduce_mean(interval_loss.item() / interval_steps)
-                    losses.append(mean_loss)
-                    metrics = {"loss": mean_loss, "lr": self.scheduler.get_last_lr()[0]}
-                    if cfg.grad_clip > 0:
+                interval_steps += 1
+                if not skipped:  # skipped steps are non-finite: they would poison the mean
+                    interval_loss, interval_good = interval_loss + loss, interval_good + 1
+                self.guard.check_limit(self.step, self.last_checkpoint)
+                stop = self.guard.stop_signal is not None
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps or stop:
+                    mean = interval_loss.item() / interval_good if interval_good else float("nan")
+                    metrics = {"loss": all_reduce_mean(mean), "lr": self.scheduler.get_last_lr()[0]}
+                    losses.append(metrics["loss"])
+                    if grad_norm is not None:
                         metrics["grad_norm"] = float(grad_norm)  # this step's
+                    if self.guard.checking:
+                        metrics["bad_steps"] = self.guard.bad_total
                     if cfg.mixed_precision == "fp16":
                         metrics["skipped_steps"] = self.booster.skipped_steps
-                    log.log(self.step, metrics,
-                            images=interval_steps * cfg.batch_size)
-                    interval_loss, interval_steps = interval_loss.zero_(), 0
-                if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
+                    log.log(self.step, metrics, images=interval_steps * cfg.batch_size)
+                    interval_loss, interval_steps, interval_good = interval_loss.zero_(), 0, 0
+                if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps or stop:
                     self.save()
+                if stop:
+                    logger.info("stopped by %s after step %d; resume with --load auto (or --load %s)",
+                                self.guard.stop_signal, self.step, self.last_checkpoint)
+                    log.close()
+                    return losses
                 if self.step >= self.total_steps:
                     break
             else:
@@ -214,26 +251,47 @@ class Trainer:
         log.close()
         return losses
 
-    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm), both
-        device tensors (reading them waits for the step; the norm is None without --grad_clip)."""
-        cfg, booster = self.cfg, self.booster
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm,
+        skipped): the loss and norm are device tensors (reading them waits for the step; the norm is None when
+        nothing computed it); skipped: the step was not finite on some rank and changed nothing."""
+        cfg, booster, guard = self.cfg, self.booster, self.guard
         x, cond = self.objective.prepare(batch, self.dist.device)
         total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for i, (xm, cm) in enumerate(micro_batches(x, cond, cfg.grad_accum)):
             last = i == cfg.grad_accum - 1
             with booster.no_sync(self.model, enabled=not last), booster.autocast():
                 loss = self.objective.loss(self.model, xm, cm) / cfg.grad_accum
+                # --fused_backward updates inside backward: only the loss can be checked, before it
+                if self.fused is not None and guard.active and guard.agree(
+                        ~torch.isfinite(loss) if guard.checking else None, self.step + 1):
+                    return total + loss.detach(), None, True
                 booster.backward(loss, self.optimizer)
             total += loss.detach()
-        # never under --fused_backward (refused at start): its gradients are gone, each freed after its update
-        clip = cfg.grad_clip > 0 and self.fused is None
-        grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip) if clip else None
+        grad_norm = None
+        if self.fused is None:  # never under --fused_backward: its gradients are gone, each freed after its update
+            if cfg.grad_clip > 0:
+                grad_norm = booster.clip_grad_norm_(self.model, cfg.grad_clip)
+            elif guard.checking and cfg.mixed_precision != "fp16":
+                grad_norm = booster.grad_norm(self.model)
+            if guard.active and guard.agree(self._non_finite(total, grad_norm), self.step + 1):
+                booster.skip_step(self.optimizer)
+                return total, grad_norm, True
         if booster.step(self.optimizer):
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(self.model)
-        return total, grad_norm
+        return total, grad_norm, False
+
+    def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's verdict as a device bool (None: not checked). Under fp16 the loss scaler handles
+        overflowing gradients (they are expected there), so only the loss is checked."""
+        if not self.guard.checking:
+            return None
+        bad = ~torch.isfinite(loss)
+        if grad_norm is not None and self.cfg.mixed_precision != "fp16":
+            bad |= ~torch.isfinite(grad_norm)
+        return bad
 
     def save(self) -> None:
         extra = {"data": self.loader.state_dict(), "config": cfglib.to_dict(self.cfg)}
@@ -246,5 +304,6 @@ class Trainer:
         if self.dist.rank == 0:
             cfglib.save_yaml(self.cfg, Path(path) / "config.yaml")
         dist.barrier()
+        self.last_checkpoint = path
         logger.info("saved checkpoint %s", path)
 

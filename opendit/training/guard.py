@@ -1,0 +1,107 @@
+"""What every rank must decide together at each step: skip a step whose loss or gradient norm is not finite, and
+stop after a preemption signal.
+
+SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGUSR1 (SLURM's `--signal`) only set a
+flag here; the trainer finishes the step it is in, saves a checkpoint and exits 0. A signal may reach one rank
+only, or the ranks at different steps, so the flag travels in the same small all-reduce as the non-finite
+verdict: every rank takes the same decision at the same step. A second signal of the same kind ends the
+process at once (the default action), for a user who really means it.
+
+A non-finite step changes nothing (weights, optimizer states, EMA, lr schedule stay as they were); after
+`max_bad_steps` of them in a row the run stops with NonFiniteTrainingError.
+"""
+import logging
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("opendit")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many non-finite steps in a row: the run stops (its message says where to resume from)."""
+
+
+class PeerTimeoutError(RuntimeError):
+    """A collective waited longer than --dist_timeout: a peer died, hangs or is far slower."""
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether a collective's error is a timeout (gloo: "Timed out waiting ..."; NCCL's watchdog aborts the
+    process itself, with its own message)."""
+    return isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+
+
+class StepGuard:
+    """checking: test each step for a non-finite loss / gradient norm (reading the verdict waits for the step's
+    backward pass: one host sync per step); handle_signals: save and stop on SIGTERM / SIGUSR1."""
+
+    def __init__(self, max_bad_steps: int, handle_signals: bool):
+        if max_bad_steps < 0:
+            raise ValueError(f"--max_bad_steps {max_bad_steps}: must be >= 0 (0 turns the non-finite check off)")
+        self.max_bad_steps, self.handle_signals = max_bad_steps, handle_signals
+        self.checking = max_bad_steps > 0
+        self.bad_in_a_row = self.bad_total = 0
+        self.stop_signal: str | None = None  # the name of the signal that asked to stop, agreed by all ranks
+        self._received: signal.Signals | None = None
+        self._previous: dict = {}
+
+    # ---- signals -----------------------------------------------------------------------------------------------
+    def __enter__(self):
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._received == signum:  # asked twice: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self._received = signal.Signals(signum)
+        logger.warning("received %s: saving a checkpoint after the current step, then exiting",
+                       self._received.name)
+
+    # ---- the per-step verdict ----------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether agree() has anything to do (else the step runs without a host sync or collective)."""
+        return self.checking or self.handle_signals
+
+    def agree(self, non_finite: torch.Tensor | None, step: int) -> bool:
+        """Combine this rank's verdict (a bool device tensor, or None when not checked) and signal with every
+        other rank's; returns whether the step must be skipped. Call at the same point on every rank."""
+        local = torch.tensor([float(non_finite.item()) if non_finite is not None else 0.0,
+                              float(self._received is not None)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # a CPU tensor: over gloo (also in a NCCL job, whose group has a gloo backend for CPU tensors)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        if local[1] > 0 and self.stop_signal is None:
+            self.stop_signal = self._received.name if self._received is not None else "a signal on another rank"
+        if local[0] == 0:
+            self.bad_in_a_row = 0
+            return False
+        self.bad_in_a_row += 1
+        self.bad_total += 1
+        logger.warning("step %d: non-finite loss or gradient norm; step skipped, nothing updated (%d in a row, "
+                       "%d in all; the run stops at %d in a row)", step, self.bad_in_a_row, self.bad_total,
+                       self.max_bad_steps)
+        return True
+
+    def check_limit(self, step: int, last_checkpoint: str | None) -> None:
+        if self.checking and self.bad_in_a_row >= self.max_bad_steps:
+            where = (f"the last checkpoint is {last_checkpoint}" if last_checkpoint else
+                     "no checkpoint was saved in this run")
+            raise NonFiniteTrainingError(
+                f"stopped at step {step}: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient norm "
+                f"(--max_bad_steps {self.max_bad_steps}); the weights are those of the last good step and {where}. "
+                f"Resume from it with a lower --lr, a --grad_clip, or --mixed_precision bf16 instead of fp16, and "
+                f"check the data")

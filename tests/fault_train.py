@@ -1,0 +1,70 @@
+"""train.py with a fault injected before a given step, for the reliability tests (run as a script, also under
+torchrun). The fault is set by the environment, so the command line stays train.py's own:
+
+    OPENDIT_FAULT=kill:5:1    rank 1 SIGKILLs itself before step 5, on the first attempt only (torchrun restarts)
+    OPENDIT_FAULT=hang:3:1    rank 1 stops responding before step 3 (sleeps; SIGTERM cannot wake it)
+    OPENDIT_FAULT=signal:4:1:SIGUSR1   rank 1 sends itself SIGUSR1 before step 4
+    OPENDIT_FAULT=nan:3,4     every rank's loss is NaN at steps 3 and 4 (a range 3-99 works too)
+"""
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _steps(spec: str) -> set[int]:
+    steps = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        steps.update(range(int(lo), int(hi or lo) + 1))
+    return steps
+
+
+def faulty_train_step(fault: str):
+    """Trainer.train_step with the fault described by `fault` (see the module docstring)."""
+    from opendit.training.loop import Trainer
+
+    kind, _, rest = fault.partition(":")
+    rank = int(os.environ.get("RANK", 0))
+    original_step = Trainer.train_step
+
+    if kind == "nan":
+        bad = _steps(rest)
+
+        def train_step(self, batch):
+            objective_loss = type(self.objective).loss
+
+            def loss(objective, model, x, cond):
+                value = objective_loss(objective, model, x, cond)
+                return value * float("nan") if self.step + 1 in bad else value
+            self.objective.loss = loss.__get__(self.objective)
+            return original_step(self, batch)
+    else:
+        parts = rest.split(":")
+        at, victim = int(parts[0]), int(parts[1])
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+        def train_step(self, batch):
+            if rank == victim and self.step + 1 == at:
+                if kind == "kill" and first_attempt:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif kind == "hang":
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    time.sleep(3600)
+                elif kind == "signal":
+                    os.kill(os.getpid(), getattr(signal, parts[2]))
+            return original_step(self, batch)
+    return train_step
+
+
+if __name__ == "__main__":
+    from opendit.training.loop import Trainer
+
+    Trainer.train_step = faulty_train_step(os.environ["OPENDIT_FAULT"])
+    sys.path.insert(0, str(ROOT))
+    sys.argv[0] = str(ROOT / "train.py")
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
