@@ -94,7 +94,7 @@ def main():
     for _ in range(a.steps):
         batch = next(loader)
         t = time.time()
-        loss, _ = trainer.train_step(batch)
+        loss, _, _ = trainer.train_step(batch)
         loss = float(loss)
         if cuda:
             torch.cuda.synchronize()
