@@ -22,7 +22,8 @@ import numpy as np
 from PIL import Image
 
 from opendit.data.digits import DigitsDataset
-from opendit.data.image_folder import IMAGE_EXTENSIONS, ImageFolderDataset
+from opendit.data.image_folder import IMAGE_EXTENSIONS, ImageFolderDataset, _unlistable
+from opendit.data.skipped import SkipLog
 from opendit.data.transforms import check_image_size
 from opendit.seeding import mix_seed
 
@@ -50,7 +51,7 @@ def _clean(text: str) -> str:
 def scan_caption_folder(root: str) -> tuple[list[tuple[str, str]], int]:
     """-> ([(image path, caption)] sorted by path, number of images without a .txt)."""
     samples, uncaptioned = [], 0
-    walk = sorted(os.walk(root, followlinks=True), key=lambda entry: entry[0])  # same order on every rank
+    walk = sorted(os.walk(root, onerror=_unlistable, followlinks=True), key=lambda entry: entry[0])  # same order
     for dirpath, _, filenames in walk:
         if any(part.startswith(".") for part in os.path.relpath(dirpath, root).split(os.sep) if part != "."):
             continue  # hidden folders (.git, .cache, ...) hold no training images
@@ -62,8 +63,13 @@ def scan_caption_folder(root: str) -> tuple[list[tuple[str, str]], int]:
             if not os.path.isfile(txt):
                 uncaptioned += 1
                 continue
-            with open(txt, encoding="utf-8", errors="replace") as f:
-                samples.append((path, _clean(f.read())))
+            try:
+                with open(txt, encoding="utf-8", errors="replace") as f:
+                    samples.append((path, _clean(f.read())))
+            except OSError as err:  # permission denied, an I/O error: the image is left out, as without a .txt
+                logger.warning("skipping image %s: cannot read its caption %s (%s: %s)", path, txt,
+                               type(err).__name__, err.strerror or err)
+                uncaptioned += 1
     return samples, uncaptioned
 
 
@@ -116,9 +122,9 @@ class CaptionedImageDataset(ImageFolderDataset):
     data_path: a folder of images with .txt captions, or a .csv / .jsonl listing (see the module doc).
     channels=1 converts to grey (ITU-R 601 luma). The flip of item i in epoch e is a pure function of
     (seed, e, i): call `set_epoch(e)` before iterating. `num_uncaptioned` counts images of a folder without
-    a .txt, `num_missing` listed files that do not exist (both skipped when built), `num_skipped` distinct
-    unreadable images seen by this process (each DataLoader worker has its own). num_classes = 0: captions
-    condition, not labels.
+    a .txt (or whose .txt cannot be read), `num_missing` listed files that do not exist (both skipped when built),
+    `num_skipped` distinct unreadable images seen by this process (each DataLoader worker has its own;
+    `count_skipped(dataset)` counts all workers' and ranks'). num_classes = 0: captions condition, not labels.
     """
 
     num_classes = 0
@@ -157,7 +163,7 @@ class CaptionedImageDataset(ImageFolderDataset):
                 f"{self.num_missing} listed file(s) missing); {LAYOUT_HINT}. A folder with a metadata.jsonl / "
                 f"metadata.csv instead of .txt files: pass that file as --data_path")
         self.samples = samples
-        self._bad = set()  # indices already found unreadable: skipped without re-reading or re-warning
+        self.skips = SkipLog(self.skipped_kind, logger)
 
     @property
     def captions(self) -> list[str]:
@@ -168,8 +174,7 @@ class CaptionedImageDataset(ImageFolderDataset):
         return image.convert("L") if self.channels == 1 else image
 
     def _all_unreadable(self, n: int) -> str:
-        return (f"all {n} captioned images of {self.data_path!r} are unreadable (see the warnings above); check "
-                f"the files, or use --dataset captioned_digits for the built-in demo")
+        return self.skips.all_unreadable(f"all {n} captioned images of {self.data_path!r}", "captioned_digits")
 
 
 def digit_caption(label: int, variant: int = 0) -> str:

@@ -1,14 +1,20 @@
 """ImageNet-style class folders: root/<class_name>/<image>, labels = sorted class names.
 
-Corrupt files never stop an epoch: a bad file is logged once, counted in `num_skipped`, and its
-slot is filled by the next readable index, so every batch keeps its full size.
+Corrupt files never stop an epoch: a bad file (unreadable, truncated, zero bytes, not an image, permission
+denied, or over PIL's decompression-bomb limit) is logged once, counted, and its slot is filled by the next
+readable index, so every batch keeps its full size (see opendit/data/skipped.py; `count_skipped(dataset)` totals
+the skips of all DataLoader workers and ranks). Images over PIL.Image.MAX_IMAGE_PIXELS pixels are skipped even
+in the range where PIL only warns (up to twice the limit): decoding them could take gigabytes per worker.
+Class folders without images keep their label (labels stay the sorted class names) and are named in a warning.
 """
 import logging
 import os
+import warnings
 
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.transforms import center_crop_arr, check_image_size, to_signed_tensor
 from opendit.seeding import mix_seed
 
@@ -27,17 +33,32 @@ def scan_image_folder(root: str):
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise FileNotFoundError(f"no class folders found in {root!r}; {LAYOUT_HINT}")
-    samples = []
+    samples, empty = [], []
     for label, name in enumerate(classes):
+        count = len(samples)
         # walk recursively, like torchvision's ImageFolder; sort so the order is the same on every rank
-        walk = sorted(os.walk(os.path.join(root, name), followlinks=True), key=lambda entry: entry[0])
+        walk = sorted(os.walk(os.path.join(root, name), onerror=_unlistable, followlinks=True),
+                      key=lambda entry: entry[0])
         for dirpath, _, filenames in walk:
             for fname in sorted(filenames):
                 if fname.lower().endswith(IMAGE_EXTENSIONS):
                     samples.append((os.path.join(dirpath, fname), label))
+        if len(samples) == count:
+            empty.append(name)
     if not samples:
         raise FileNotFoundError(f"no images found under {root!r} ({len(classes)} class folders); {LAYOUT_HINT}")
+    if empty:
+        shown = ", ".join(repr(name) for name in empty[:20]) + (f" and {len(empty) - 20} more" * (len(empty) > 20))
+        logger.warning("%s: %d of %d class folders hold no images (%s); they keep their labels (labels are the "
+                       "sorted folder names) but no sample has them: add images or remove the folders", root,
+                       len(empty), len(classes), shown)
     return classes, samples
+
+
+def _unlistable(err: OSError) -> None:
+    """os.walk's onerror: a folder that cannot be listed (permissions) is named, not silently left out."""
+    logger.warning("skipping folder %s: cannot list it (%s: %s); check its permissions", err.filename,
+                   type(err).__name__, err.strerror or err)
 
 
 class ImageFolderDataset(Dataset):
@@ -45,8 +66,11 @@ class ImageFolderDataset(Dataset):
 
     The flip of item i in epoch e is a pure function of (seed, e, i): call `set_epoch(e)` before
     iterating (non-persistent DataLoader workers copy the dataset, epoch included, at each iter()).
-    `num_skipped` counts distinct unreadable files seen by this process (each worker has its own).
+    `num_skipped` counts distinct unreadable files seen by this process (each worker has its own copy);
+    `count_skipped(dataset)` (opendit.data.skipped) counts those of all workers and ranks.
     """
+
+    skipped_kind = "image"  # the noun of the skip warnings
 
     def __init__(self, root: str, image_size: int, random_flip: bool = True, seed: int = 0):
         self.root = root
@@ -57,11 +81,16 @@ class ImageFolderDataset(Dataset):
         self.classes, self.samples = scan_image_folder(root)
         self.num_classes = len(self.classes)
         self.channels = 3
-        self._bad = set()  # indices already found unreadable: skipped without re-reading or re-warning
+        self.skips = SkipLog(self.skipped_kind, logger)
+
+    @property
+    def _bad(self) -> set:
+        """Indices this process found unreadable: skipped without re-reading or re-warning."""
+        return self.skips.bad
 
     @property
     def num_skipped(self) -> int:
-        return len(self._bad)
+        return len(self.skips.bad)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -70,35 +99,27 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def _load(self, path: str) -> Image.Image:
-        with Image.open(path) as image:
-            image.load()  # decode now so truncated files fail here, not later
-            image = image.convert("RGB")
+        with warnings.catch_warnings():
+            # PIL warns (does not raise) between MAX_IMAGE_PIXELS and twice that: skip those too
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()  # decode now so truncated files fail here, not later
+                image = image.convert("RGB")
         return center_crop_arr(image, self.image_size)
 
     def _flip(self, index: int) -> bool:
         return self.random_flip and mix_seed(self.seed, self.epoch, index) & 1 == 1
 
+    def _read(self, i: int, index: int):
+        path, label = self.samples[i]
+        image = self._load(path)
+        # the flip keys on the requested index, so a replacement does not shift other items' flips
+        if self._flip(index):
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return to_signed_tensor(image), label
+
     def __getitem__(self, index: int):
-        n = len(self.samples)
-        for offset in range(n):
-            i = (index + offset) % n
-            if i in self._bad:
-                continue
-            path, label = self.samples[i]
-            try:
-                image = self._load(path)
-            # PIL raises many types for bad bytes (OSError, SyntaxError, ValueError, zlib.error,
-            # DecompressionBombError...); any failure to decode one file must not end the epoch.
-            except Exception as err:  # noqa: BLE001
-                self._bad.add(i)
-                logger.warning("skipping unreadable image %s: %s: %s", path, type(err).__name__, err)
-                continue
-            # the flip keys on the requested index, so a replacement does not shift other items' flips
-            if self._flip(index):
-                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            return to_signed_tensor(image), label
-        raise RuntimeError(self._all_unreadable(n))
+        return first_readable(self, index, lambda i: self._read(i, index))
 
     def _all_unreadable(self, n: int) -> str:
-        return (f"all {n} images under {self.root!r} are unreadable (see the warnings above); "
-                f"check the files, or use --dataset digits for the built-in demo set")
+        return self.skips.all_unreadable(f"all {n} images under {self.root!r}", "digits")

@@ -32,6 +32,7 @@ ARRAYS = ("mean", "std")
 FLIP_ARRAYS = ("mean_flip", "std_flip")
 TEXT_ARRAYS = ("t5", "clip")  # text embeddings a FLUX cache stores per item
 REBUILD_HINT = "build it with: python preprocess.py --dataset ... --vae ... --out <folder>"
+RERUN_HINT = "re-run preprocess.py to rebuild it (python preprocess.py --dataset ... --vae ... --out <folder>)"
 
 
 def read_manifest(path: str) -> dict:
@@ -53,6 +54,27 @@ def read_manifest(path: str) -> dict:
         raise ValueError(f"latent cache {path!r} has format version {manifest.get('version')!r}, this opendit "
                          f"reads version {CACHE_VERSION}; rebuild it with this version's preprocess.py")
     return manifest
+
+
+def shard_file_problem(path: str, count: int):
+    """None when the .npy at `path` holds `count` items and all its bytes, else what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)  # np.save writes 3 only for non-latin-1 field names
+            offset = f.tell()
+    except (OSError, ValueError, EOFError) as err:
+        return f"has no valid .npy header ({type(err).__name__}: {err})"
+    if not shape or shape[0] != count:
+        return f"holds shape {tuple(shape)}, the manifest says {count} items"
+    if dtype.hasobject:
+        return None  # pickled objects: no fixed size to check
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    actual = os.path.getsize(path)
+    if actual < expected:
+        return f"is truncated ({actual} of {expected} bytes)"
+    return None
 
 
 def shard_arrays(flip_both: bool, captions: bool = False, embeddings=()) -> tuple[str, ...]:
@@ -102,11 +124,18 @@ class LatentDataset(Dataset):
         self._maps = None  # opened lazily in each process (memmaps must not be pickled into workers)
 
     def _check_files(self) -> None:
-        for stem in self._stems:
+        """Every shard file exists, has a readable .npy header, the manifest's item count, and all its bytes
+        (headers only are read: a truncated shard fails here, not hours into training)."""
+        for stem, count in zip(self._stems, np.diff(self._starts)):
             for key in self._arrays():
-                if not os.path.isfile(os.path.join(self.path, f"{stem}.{key}.npy")):
-                    raise FileNotFoundError(f"latent cache {self.path!r} lacks {stem}.{key}.npy; the cache is "
-                                            f"damaged, rebuild it with preprocess.py")
+                name = f"{stem}.{key}.npy"
+                if not os.path.isfile(os.path.join(self.path, name)):
+                    raise FileNotFoundError(f"latent cache {self.path!r} lacks {name}; the cache is damaged, "
+                                            f"{RERUN_HINT}")
+                problem = shard_file_problem(os.path.join(self.path, name), int(count))
+                if problem:
+                    raise ValueError(f"latent cache {self.path!r}: shard file {name} {problem}; the cache is "
+                                     f"damaged, {RERUN_HINT}")
 
     def _arrays(self) -> tuple[str, ...]:
         return shard_arrays(self.flip_both, self.captions, self.embeddings)
@@ -129,9 +158,15 @@ class LatentDataset(Dataset):
         if self._maps is None:
             self._maps = {}
         if k not in self._maps:
-            self._maps[k] = {key: np.load(os.path.join(self.path, f"{self._stems[k]}.{key}.npy"), mmap_mode="r")
-                             for key in self._arrays()}
+            self._maps[k] = {key: self._open(f"{self._stems[k]}.{key}.npy") for key in self._arrays()}
         return self._maps[k]
+
+    def _open(self, name: str) -> np.ndarray:
+        try:
+            return np.load(os.path.join(self.path, name), mmap_mode="r")
+        except (OSError, ValueError, EOFError) as err:  # changed or removed since the dataset was built
+            raise ValueError(f"latent cache {self.path!r}: cannot read shard file {name} ({type(err).__name__}: "
+                             f"{err}); the cache is damaged, {RERUN_HINT}") from err
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

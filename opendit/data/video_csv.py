@@ -5,8 +5,8 @@ then the second column holds labels when every value is an integer, else caption
 against the CSV's folder. Each item is num_frames frames, frame_interval apart, from a start drawn per
 (seed, epoch, index); each frame gets the ADM center crop of the image datasets.
 
-Missing, corrupt and too-short videos never stop an epoch: as in ImageFolderDataset, a bad file is logged
-once, counted in `num_skipped`, and its slot is filled by the next readable index.
+Missing, zero-byte, corrupt, truncated and too-short videos never stop an epoch: as in ImageFolderDataset, a bad
+file is logged once, counted, and its slot is filled by the next readable index (opendit/data/skipped.py).
 """
 import csv
 import logging
@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.transforms import center_crop_arr, check_image_size
 from opendit.data.video_io import clip_span, read_clip, require_av
 from opendit.seeding import mix_seed
@@ -80,7 +81,8 @@ class VideoCSVDataset(Dataset):
     The clip start of item i in epoch e is a pure function of (seed, e, i): call `set_epoch(e)` before
     iterating. channels=1 converts frames to grey (ITU-R 601 luma). `num_classes` is max label + 1
     (0 for a caption CSV); `classes` names them "0".."N-1". `num_skipped` counts distinct unreadable
-    videos seen by this process (each DataLoader worker has its own).
+    videos seen by this process (each DataLoader worker has its own; `count_skipped(dataset)` counts all
+    workers' and ranks').
     """
 
     def __init__(self, csv_path: str, image_size: int, num_frames: int = 16, frame_interval: int = 1,
@@ -100,11 +102,16 @@ class VideoCSVDataset(Dataset):
         require_av()  # fail here without PyAV, not by skipping every video as unreadable
         self.num_classes = max(label for _, label, _ in self.samples) + 1 if self.kind == "label" else 0
         self.classes = [str(i) for i in range(self.num_classes)]
-        self._bad = set()  # indices already found unreadable: skipped without re-reading or re-warning
+        self.skips = SkipLog("video", logger)
+
+    @property
+    def _bad(self) -> set:
+        """Indices this process found unreadable: skipped without re-reading or re-warning."""
+        return self.skips.bad
 
     @property
     def num_skipped(self) -> int:
-        return len(self._bad)
+        return len(self.skips.bad)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -122,23 +129,16 @@ class VideoCSVDataset(Dataset):
                                                          self.channels)  # [T, S, S, C] uint8
         return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, S, S] in [-1, 1]
 
+    def _read(self, i: int, index: int):
+        path, label, caption = self.samples[i]
+        return self._clip(path, index), label, caption
+
     def __getitem__(self, index: int):
-        n = len(self.samples)
-        for offset in range(n):
-            i = (index + offset) % n
-            if i in self._bad:
-                continue
-            path, label, caption = self.samples[i]
-            try:
-                clip = self._clip(path, index)
-            # FileNotFoundError, VideoReadError (corrupt, too short) and whatever else FFmpeg or PIL raise
-            # for one bad file must not end the epoch
-            except Exception as err:  # noqa: BLE001
-                self._bad.add(i)
-                logger.warning("skipping unreadable video %s: %s: %s", path, type(err).__name__, err)
-                continue
-            return clip, label, caption
-        raise RuntimeError(
-            f"all {n} videos listed in {self.csv_path!r} are unreadable (see the warnings above); check the "
-            f"paths (relative ones resolve against the CSV's folder) and the files, or use --dataset "
-            f"moving_digits for the built-in video demo")
+        # FileNotFoundError, VideoReadError (zero bytes, corrupt, truncated, too short) and whatever else FFmpeg or
+        # PIL raise for one bad file are skipped
+        return first_readable(self, index, lambda i: self._read(i, index))
+
+    def _all_unreadable(self, n: int) -> str:
+        return self.skips.all_unreadable(
+            f"all {n} videos listed in {self.csv_path!r} (relative paths resolve against the CSV's folder)",
+            "moving_digits")
