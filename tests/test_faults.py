@@ -141,3 +141,34 @@ def test_a_hung_peer_turns_into_an_error_within_dist_timeout(tmp_path):
     assert code != 0
     assert time.time() - start < 120
     assert "--dist_timeout 0.1" in text and "step 3" in text, text[-3000:]
+
+
+def test_training_logs_the_total_of_skipped_images_over_workers(tmp_path, capfd):
+    from tests.test_data import folder as make_folder
+
+    (tmp_path / "data").mkdir()
+    root, bad = make_folder.__wrapped__(tmp_path / "data")
+    trainer, _ = run_trainer(tiny_cfg(tmp_path / "out", dataset="folder", data_path=str(root), image_size=8,
+                                      batch_size=4, max_steps=4, num_workers=1))
+    records = [json.loads(line) for line in (trainer.run_dir / "log.jsonl").read_text().splitlines()]
+    assert records[-1]["skipped_images"] == len(bad)  # found by the worker process, counted in the trainer
+    assert f"{len(bad)} unreadable files were skipped in this run" in capfd.readouterr().err
+
+
+def _count_skipped_on_two_ranks(rank, world_size, root):
+    from opendit.data import count_skipped
+    from opendit.data.image_folder import ImageFolderDataset
+
+    dataset = ImageFolderDataset(root, 8)
+    for i in range(rank, len(dataset), world_size):  # each rank reads its own half, as the sharded sampler does
+        dataset[i]
+    return count_skipped(dataset), count_skipped(dataset)  # the second call sends nothing new
+
+
+@pytest.mark.slow
+def test_skipped_images_are_totalled_over_ranks(tmp_path):
+    from tests.distributed import run_distributed
+    from tests.test_data import folder as make_folder
+
+    root, bad = make_folder.__wrapped__(tmp_path)
+    assert run_distributed(_count_skipped_on_two_ranks, 2, str(root)) == [(len(bad), len(bad))] * 2

@@ -16,6 +16,7 @@ from opendit.booster.precision import set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
                                 resolve_checkpoint, load_into_meta_model, load_weights, rng_state, save_checkpoint,
                                 set_rng_state)
+from opendit.data import count_skipped
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
@@ -233,6 +234,7 @@ class Trainer:
                         metrics["grad_norm"] = float(grad_norm)  # this step's
                     if self.guard.checking:
                         metrics["bad_steps"] = self.guard.bad_total
+                    metrics["skipped_images"] = count_skipped(self.dataset)  # unreadable files, all ranks
                     if cfg.mixed_precision == "fp16":
                         metrics["skipped_steps"] = self.booster.skipped_steps
                     log.log(self.step, metrics, images=interval_steps * cfg.batch_size)
@@ -242,12 +244,17 @@ class Trainer:
                 if stop:
                     logger.info("stopped by %s after step %d; resume with --load auto (or --load %s)",
                                 self.guard.stop_signal, self.step, self.last_checkpoint)
-                    log.close()
-                    return losses
+                    return self._end(log, losses)
                 if self.step >= self.total_steps:
                     break
             else:
                 self.loader.set_epoch(self.loader.sampler.epoch + 1)
+        return self._end(log, losses)
+
+    def _end(self, log: RunLogger, losses: list[float]) -> list[float]:
+        skipped = count_skipped(self.dataset)
+        if skipped and self.dist.rank == 0:
+            logger.warning("%d unreadable files were skipped in this run (the first ones are named above)", skipped)
         log.close()
         return losses
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 logger = logging.getLogger("opendit")
 
+QUIET_WHEN_ZERO = ("bad_steps", "skipped_images", "skipped_steps")  # counters left off the console line while 0
+
 
 def setup_logging(rank: int) -> None:
     """INFO on rank 0, warnings only elsewhere, one format for all."""
@@ -58,7 +60,7 @@ class RunLogger:
             for k, v in {**metrics, **rate}.items():
                 self.tb.add_scalar(f"train/{k}", v, step)
         eta = (self.total_steps - step) / steps_per_s if steps_per_s > 0 else float("inf")
-        shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if v or k not in QUIET_WHEN_ZERO)
         mfu = f" MFU {rate['mfu']:.1%}" if "mfu" in rate else ""
         logger.info("step %d/%d %s | %.2f steps/s %.1f img/s%s | ETA %s", step, self.total_steps, shown,
                     steps_per_s, rate["img_per_s"], mfu, _fmt_eta(eta))
