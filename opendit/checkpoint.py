@@ -9,22 +9,30 @@ A step directory root/step-000100 holds:
   ranks/rank-00003.pt   each rank's RNG states (torch CPU, CUDA, numpy, python) and its own `extra`
                         (data position differs per rank; resolved config, ...)
   meta.json             step, world size, what is inside (for people and for resolve_checkpoint)
+  manifest.json         every file above with its size and CRC-32 (opendit/checkpoint_integrity.py), written
+                        last; ema.safetensors/ema.json exported into the folder afterwards are added to it
+  (ema.safetensors, ema.json, config.yaml: written beside it by train.py, for sample.py)
 
-It is written as root/.tmp-step-000100 and renamed by rank 0 after every rank finished, so a crash mid-save
-never leaves a step-* directory that does not load; `.tmp-*` leftovers are ignored and removed by the next
-save. After the rename, all but the newest `keep_last` step directories are deleted.
+It is written as root/.tmp-step-000100 and renamed by rank 0 after every rank finished, so a crash or a full
+disk mid-save never leaves a step-* directory that does not load; `.tmp-*` leftovers are ignored, and removed by
+the next save or by find_resume_checkpoint (a training start with --load auto). A failed write is an OSError
+naming the checkpoint folder (ENOSPC/EFBIG/EDQUOT: "disk full or file size limit"). After the rename, all but
+the newest `keep_last` step directories are deleted.
+
+Loading verifies the manifest (sizes always, checksums unless checksums=False): a truncated or corrupt file is
+a CheckpointCorruptError naming it. `latest` (resolve_checkpoint, latest_run_checkpoint) and
+find_resume_checkpoint skip a checkpoint that fails verification, with a warning naming it and why, and take
+the previous one. Step directories saved before manifests existed load unverified.
 """
-import argparse
+import io
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,14 +42,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from opendit import checkpoint_integrity as integrity
+from opendit.checkpoint_integrity import (CheckpointCorruptError, checkpoint_kind, checkpoint_problem,  # noqa: F401
+                                          list_checkpoints, verify_checkpoint)
 from opendit.ema import ShardedEMA
-from opendit.safe_load import SafeLoadPlanner, SafeReader, safe_load
+from opendit.safe_load import SafeReader, dcp_load, load_torch_file, safe_load
 from opendit.seeding import mix_seed
 
 log = logging.getLogger(__name__)
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_REQUIRED = (".metadata", "trainer.pt", "meta.json", "ranks")
 
 
 def _dist() -> bool:
@@ -69,50 +77,57 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def _missing(path: str) -> list[str]:
-    return [name for name in _REQUIRED if not os.path.exists(os.path.join(path, name))]
+def latest_run_checkpoint(outputs: str, checksums: bool = True) -> str:
+    """The newest complete, verifying checkpoint of the newest run folder (outputs/NNN-model/checkpoints) that
+    has one. A newer checkpoint that fails verification is skipped with a warning naming it and why; none
+    left: FileNotFoundError (no checkpoint at all) or CheckpointCorruptError (listing the failures).
+    Leftovers of interrupted saves (.tmp-*) are ignored, not removed (a training run may be saving now)."""
+    path, skipped = integrity.search_runs(outputs, checksums)
+    if path is not None:
+        return path
+    if skipped:
+        raise CheckpointCorruptError(f"latest: no checkpoint under {outputs} verifies: {'; '.join(skipped)}")
+    runs = [p.name for p in integrity.run_folders(outputs)]
+    raise FileNotFoundError(f"latest: no complete checkpoint under {outputs}/NNN-*/checkpoints (run folders: "
+                            f"{runs}); train first, or pass a checkpoint folder")
 
 
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Complete step directories under root as [(step, path)], oldest first; `.tmp-*` dirs are skipped."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if match and os.path.isdir(path) and not _missing(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+def find_resume_checkpoint(outputs: str, checksums: bool = True, clean: bool = True) -> str | None:
+    """For train.py --load auto (call on rank 0): the checkpoint `latest` would resume from (newest verifying
+    one of the newest run folder that has one, skipping failing ones with a warning), or None when `outputs`
+    holds no complete checkpoint at all (a first start: train from scratch, no error). If checkpoints exist
+    but none verifies it raises CheckpointCorruptError rather than silently starting over. clean: remove the
+    chosen run's `.tmp-*` leftovers of an interrupted save (the next save would)."""
+    path, skipped = integrity.search_runs(outputs, checksums)
+    if path is None:
+        if skipped:
+            raise CheckpointCorruptError(f"--load auto: checkpoints exist under {outputs} but none verifies "
+                                         f"({'; '.join(skipped)}); pass one explicitly or move them away")
+        return None
+    if clean:
+        _clean_tmp(os.path.dirname(path))
+    return path
 
 
-def latest_run_checkpoint(outputs: str) -> str:
-    """The newest complete checkpoint of the newest run folder (outputs/NNN-model/checkpoints) that has one."""
-    runs = sorted(Path(outputs).glob("[0-9]*-*/checkpoints"), reverse=True)  # train.py's run folders
-    for ckpt_root in runs:
-        found = list_checkpoints(str(ckpt_root))
-        if found:
-            return found[-1][1]
-    raise FileNotFoundError(f"latest: no complete checkpoint under {outputs}/NNN-*/checkpoints "
-                            f"(run folders: {[p.parent.name for p in runs]}); train first, or pass a checkpoint folder")
-
-
-def resolve_checkpoint(path_or_latest: str | None, root: str | None = None) -> str:
-    """'latest' (or None) -> the newest complete step directory under root; a path -> that directory,
-    checked to be complete. Raises FileNotFoundError naming the path and what is missing."""
+def resolve_checkpoint(path_or_latest: str | None, root: str | None = None, checksums: bool = True) -> str:
+    """'latest' (or None) -> the newest complete step directory under root that verifies (a newer one that
+    fails is skipped with a warning naming it and why); a path -> that directory, checked to be complete (a
+    load verifies it). Raises FileNotFoundError naming the path and what is missing."""
     if path_or_latest in (None, "latest"):
         if root is None:
             raise ValueError("resolve_checkpoint('latest') needs root= (the run's checkpoint folder)")
-        found = list_checkpoints(root)
-        if not found:
-            listing = sorted(os.listdir(root)) if os.path.isdir(root) else "folder does not exist"
-            raise FileNotFoundError(f"no complete checkpoint (step-* with {', '.join(_REQUIRED)}) under {root!r}; "
-                                    f"it holds: {listing}. Start without resume or pass a checkpoint path")
-        return found[-1][1]
+        path, skipped = integrity.newest_verifying(root, checksums)
+        if path is not None:
+            return path
+        if skipped:
+            raise CheckpointCorruptError(f"no checkpoint under {root!r} verifies: {'; '.join(skipped)}")
+        listing = sorted(os.listdir(root)) if os.path.isdir(root) else "folder does not exist"
+        raise FileNotFoundError(f"no complete checkpoint (step-* with {', '.join(integrity.REQUIRED)}) under "
+                                f"{root!r}; it holds: {listing}. Start without resume or pass a checkpoint path")
     path = str(path_or_latest)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} is not a directory; pass a step-* directory or 'latest'")
-    missing = _missing(path)
+    missing = integrity.missing(path)
     if missing:
         raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing} (a save interrupted "
                                 "before its rename?); pass another step directory or 'latest'")
@@ -187,16 +202,43 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _write_trainer_files(tmp: str, step: int, lr_scheduler, extra: dict | None, has_ema: bool) -> None:
-    """Rank 0: trainer.pt (scheduler, extra) and meta.json; written before the rename like the rest."""
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_trainer_files(tmp: str, step: int, lr_scheduler, extra: dict | None, has_ema: bool) -> dict:
+    """Rank 0: trainer.pt (scheduler, extra) and meta.json, written before the rename like the rest; their
+    manifest entries."""
     trainer = {"step": step, "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
                "extra": extra or {}}
-    torch.save(trainer, os.path.join(tmp, "trainer.pt"))
     world = dist.get_world_size() if _dist() else 1
     meta = {"step": step, "world_size": world, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "has_ema": has_ema, "has_lr_scheduler": lr_scheduler is not None, "extra_keys": sorted(extra or {})}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    return {"trainer.pt": integrity.write_bytes(os.path.join(tmp, "trainer.pt"), _torch_bytes(trainer)),
+            "meta.json": integrity.write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())}
+
+
+def _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra) -> dict:
+    """This rank's part of a save: DCP shards, its rank file (rank 0: trainer.pt, meta.json); their manifest
+    entries, checksummed by this rank."""
+    writer = integrity.RecordingWriter(tmp)
+    try:
+        with _quiet_single_process():
+            dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, storage_writer=writer,
+                     no_dist=not _dist())
+    except (Exception, dcp.api.CheckpointException) as e:
+        if writer.write_errors:  # the OSError under torch.save's RuntimeError
+            raise writer.write_errors[0] from e
+        raise
+    entries = integrity.describe_files(tmp, writer.written)
+    rank_file = os.path.relpath(_rank_file(tmp, _rank()), tmp)
+    entries[rank_file] = integrity.write_bytes(os.path.join(tmp, rank_file),
+                                               _torch_bytes({"rng": rng_state(), "extra": extra or {}}))
+    if _rank() == 0:
+        entries.update(_write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None))
+    return entries
 
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_scheduler=None,
@@ -206,53 +248,76 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
     A collective: call on every rank; `root` must be on a filesystem all ranks share. `extra` is a
     picklable dict saved per rank (data positions differ per rank): sampler state, resolved config, ...
     `keep_last`: keep only the newest K step dirs (None: keep all). Writes root/.tmp-step-XXXXXX, which
-    rank 0 renames after every rank has written; re-saving an existing step replaces it.
+    rank 0 renames after every rank has written and manifest.json lists every file; re-saving an existing
+    step replaces it. A failure on any rank raises on every rank (OSError naming the folder for write errors).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     _check_args(optimizer, ema, lr_scheduler)
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    failure, entries = None, {}
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        _clean_tmp(root)
-        os.makedirs(os.path.join(tmp, "ranks"))
-    _barrier()
-    with _quiet_single_process():
-        dcp.save(_app_state(model, optimizer, ema), checkpoint_id=tmp, no_dist=not _dist())
-    torch.save({"rng": rng_state(), "extra": extra or {}}, _rank_file(tmp, _rank()))
-    if _rank() == 0:
-        _write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None)
-    _barrier()  # every rank's files are in tmp
-    if _rank() == 0:
-        if os.path.exists(final):  # re-saving a step: move the old one aside first (rename cannot overwrite)
-            os.replace(final, os.path.join(root, ".tmp-old-" + step_dir_name(step)))
-        os.replace(tmp, final)
-        if keep_last is not None:
-            _prune(root, keep_last)
-        _clean_tmp(root)
-    _barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            _clean_tmp(root)
+            os.makedirs(os.path.join(tmp, "ranks"))
+        except OSError as e:
+            failure = e
+    if all(integrity.all_gather(failure is None)):  # every rank writes its files into tmp, then reports them
+        try:
+            entries = _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra)
+        except (Exception, dcp.api.CheckpointException) as e:
+            failure = e
+    reports = integrity.all_gather(entries if failure is None else None)
+    if _rank() == 0 and None not in reports:  # rank 0: the manifest, the rename, pruning
+        try:
+            files = {name: entry for report in reports for name, entry in report.items()}
+            found = [os.path.relpath(os.path.join(d, f), tmp) for d, _, fs in os.walk(tmp) for f in fs]
+            files.update(integrity.describe_files(tmp, [f for f in found if f not in files]))  # every file
+            integrity.write_manifest(tmp, files, step=step)
+            if os.path.exists(final):  # re-saving a step: move the old one aside first (rename cannot overwrite)
+                os.replace(final, os.path.join(root, ".tmp-old-" + step_dir_name(step)))
+            os.replace(tmp, final)
+            if keep_last is not None:
+                _prune(root, keep_last)
+            _clean_tmp(root)
+        except Exception as e:
+            failure = e
+    error = None if failure is None else integrity.save_error(final, _rank(), failure)
+    report = None if error is None else (isinstance(error, OSError), getattr(error, "errno", None), str(error))
+    outcomes = integrity.all_gather(report)  # also the barrier: on success the step dir exists now
+    disk = next((r for r in outcomes if r is not None and r[0]), None)  # a write error: the clearest cause
+    if error is not None and (isinstance(error, OSError) or disk is None):
+        raise error from (None if error is failure else failure)
+    if disk is not None:
+        raise OSError(disk[1], disk[2])
+    failed = next((r for r in outcomes if r is not None), None)
+    if failed is not None:
+        raise RuntimeError(f"saving checkpoint {final} failed: {failed[2]}")
     return final
 
 
-def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=None) -> tuple[int, dict]:
+def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=None,
+                    checksums: bool = True) -> tuple[int, dict]:
     """Restore a step directory (from save_checkpoint, any world size or plugin) into the given objects.
 
     A collective: call on every rank, with the objects already wrapped (booster.boost) and the EMA built.
-    Restores this rank's RNG states; a rank that did not exist at save time gets a deterministic seed from
-    (step, rank), rank 0's `extra` and a warning. Returns (step, this rank's extra).
+    First verifies the files it reads against manifest.json (sizes; checksums unless checksums=False, each
+    rank checking a share): CheckpointCorruptError naming a bad file. Restores this rank's RNG states; a rank
+    that did not exist at save time gets a deterministic seed from (step, rank), rank 0's `extra` and a
+    warning. Returns (step, this rank's extra).
     """
     _check_args(optimizer, ema, lr_scheduler)
     path = resolve_checkpoint(path)
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    files = integrity.read_manifest(path) or {}
+    verify_checkpoint(path, checksums, names=[n for n in files if n not in integrity.EXPORTS])
+    meta = integrity.read_meta(path)
     if ema is not None and not meta["has_ema"]:
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
     with _quiet_single_process():
-        reader = SafeReader(path)
-        reader.read_metadata()  # a refused .metadata raises here, plainly, not wrapped by DCP's collective
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not _dist())
+        dcp_load(state, path, no_dist=not _dist())
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions())
     else:
@@ -309,12 +374,21 @@ def export_weights(path: str, state_dict: dict[str, torch.Tensor], metadata: dic
     # safetensors refuses shared or strided storage: give each tensor its own contiguous CPU copy.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    if metadata is not None:
-        with open(_sidecar(path) + ".tmp", "w") as f:
-            json.dump(metadata, f, indent=1, default=str)
-        os.replace(_sidecar(path) + ".tmp", _sidecar(path))
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        if metadata is not None:
+            integrity.write_bytes(_sidecar(path) + ".tmp", json.dumps(metadata, indent=1, default=str).encode())
+            os.replace(_sidecar(path) + ".tmp", _sidecar(path))
+        os.replace(tmp, path)
+        folder = os.path.dirname(os.path.abspath(path))  # an export into a step directory joins its manifest
+        if integrity.STEP_DIR.match(os.path.basename(folder)):
+            integrity.record_files(folder, [os.path.basename(p) for p in (path, _sidecar(path)) if os.path.isfile(p)])
+    except Exception as e:  # safetensors reports a full disk as its own error type
+        for leftover in (tmp, _sidecar(path) + ".tmp"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise OSError(getattr(e, "errno", None), f"exporting weights to {path} failed ({type(e).__name__}: {e}); "
+                                                 f"is the disk full, or the folder not writable?") from e
     return path
 
 
@@ -338,7 +412,7 @@ def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     if not state:
         raise KeyError(f"checkpoint {path!r} holds no {key!r} weights; use key='model' or another checkpoint")
     with _quiet_single_process():
-        dcp.load({key: state}, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        dcp_load({key: state}, path, no_dist=True)
     return state
 
 
@@ -347,27 +421,34 @@ def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[
     or a training checkpoint {"model", "ema", ...}), a step directory, or a diffusers DiT folder (model folder
     with config.json, or pipeline folder with transformer/; converted to official keys). `key` picks "ema" or
     "model"; default: the EMA when the file has one (sampling wants the EMA). mmap: map a .pt's tensors
-    instead of reading them (cheap for looking at keys and shapes). No collective inside."""
-    from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
+    instead of reading them (cheap for looking at keys and shapes). No collective inside. Step directories
+    (and files listed in one's manifest) are verified first; nothing is unpickled beyond tensors."""
+    from opendit.models.convert_diffusers import load_diffusers_dit
 
-    if is_diffusers_dir(path):
+    path = os.fspath(path)
+    kind = checkpoint_kind(path)
+    if kind == "diffusers":
         if key is not None:
             raise ValueError(f"{path!r} is a diffusers folder with one set of weights; key={key!r} does not apply")
         return load_diffusers_dit(path)[1]
-    if os.path.isdir(path):
-        with open(os.path.join(resolve_checkpoint(path), "meta.json")) as f:
-            has_ema = json.load(f)["has_ema"]
-        return _load_dcp_weights(path, key or ("ema" if has_ema else "model"))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file {path!r} does not exist")
-    if path.endswith(".safetensors"):
+    if kind == "step":
+        resolve_checkpoint(path)
+        verify_checkpoint(path, names=[n for n in integrity.read_manifest(path) or {}
+                                       if n == ".metadata" or n.endswith(".distcp")])
+        return _load_dcp_weights(path, key or ("ema" if integrity.read_meta(path)["has_ema"] else "model"))
+    integrity.verify_listed_file(path)
+    if kind == "safetensors":
         if key is not None:
             raise ValueError(f"{path!r} is a single-weights file; key={key!r} applies to .pt or step directories")
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(path, device="cpu")
-    with torch.serialization.safe_globals([argparse.Namespace]):  # DiT's train.py stores its args
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            return load_file(path, device="cpu")
+        except SafetensorError as e:
+            raise CheckpointCorruptError(f"{path} is not a readable safetensors file ({e}): truncated or "
+                                         f"corrupt; export it again or pass the step folder it came from") from None
+    obj = load_torch_file(path, mmap)
     if isinstance(obj, dict) and ("ema" in obj or "model" in obj):
         chosen = key or ("ema" if "ema" in obj else "model")
         if chosen not in obj:
