@@ -4,6 +4,7 @@ family of --model (opendit.families): data, encoders, model, objective and FLOP 
 import dataclasses
 import logging
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,27 @@ def micro_batches(x: torch.Tensor, cond: dict, n: int) -> list[tuple[torch.Tenso
     """Split a batch (x [B, ...], cond {name: [B, ...]}) into n micro-batches along the batch dim."""
     parts = {k: v.chunk(n) for k, v in cond.items()}
     return [(xm, {k: v[i] for k, v in parts.items()}) for i, xm in enumerate(x.chunk(n))]
+
+
+@dataclasses.dataclass
+class Interval:
+    """What the steps since the last log line add up to. The loss stays a device tensor (no host sync per
+    step); steps skipped as non-finite are left out of it."""
+    loss: torch.Tensor
+    steps: int = 0
+    good: int = 0
+    data_wait: float = 0.0
+
+    def add(self, loss: torch.Tensor, skipped: bool) -> None:
+        self.steps += 1
+        if not skipped:
+            self.loss += loss
+            self.good += 1
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps = self.good = 0
+        self.data_wait = 0.0
 
 
 class Trainer:
@@ -207,38 +229,29 @@ class Trainer:
 
     def _train(self) -> list[float]:
         cfg, losses = self.cfg, []
-        log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step, mfu_meter=self.mfu)
+        log = RunLogger(self.run_dir, self.dist.rank, self.total_steps, self.step, cfg.log_every,
+                        mfu_meter=self.mfu, device=self.dist.device)
+        first_step = self.step + 1
         logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
                     self.total_steps, cfg.batch_size, self.booster.dp_size)
         self.model.train()
-        # the loss stays a device tensor between logs: no host sync per step, so the host queues the next
-        # step's kernels while the device still runs this one (float64: the sum a Python float would give)
-        interval_loss = torch.zeros((), dtype=torch.float64, device=self.dist.device)
-        interval_steps = interval_good = 0
+        # the loss stays a device tensor between logs (float64: the sum a Python float would give)
+        self._interval = Interval(torch.zeros((), dtype=torch.float64, device=self.dist.device))
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
-            for batch in self.loader:
+            for batch in self._timed_batches():
                 loss, grad_norm, skipped = self.train_step(batch)
                 self.loader.advance()
                 self.step += 1
-                interval_steps += 1
-                if not skipped:  # skipped steps are non-finite: they would poison the mean
-                    interval_loss, interval_good = interval_loss + loss, interval_good + 1
+                self._interval.add(loss, skipped)
                 self.guard.check_limit(self.step, self.last_checkpoint)
                 stop = self.guard.stop_signal is not None
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps or stop:
-                    mean = interval_loss.item() / interval_good if interval_good else float("nan")
-                    metrics = {"loss": all_reduce_mean(mean), "lr": self.scheduler.get_last_lr()[0]}
-                    losses.append(metrics["loss"])
-                    if grad_norm is not None:
-                        metrics["grad_norm"] = float(grad_norm)  # this step's
-                    if self.guard.checking:
-                        metrics["bad_steps"] = self.guard.bad_total
-                    metrics["skipped_images"] = count_skipped(self.dataset)  # unreadable files, all ranks
-                    if cfg.mixed_precision == "fp16":
-                        metrics["skipped_steps"] = self.booster.skipped_steps
-                    log.log(self.step, metrics, images=interval_steps * cfg.batch_size)
-                    interval_loss, interval_steps, interval_good = interval_loss.zero_(), 0, 0
+                    losses.append(self._log_interval(log, grad_norm))
+                elif self.step == first_step:
+                    log.first_step(self.step)
+                else:
+                    log.tick(self.step)
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps or stop:
                     self.save()
                 if stop:
@@ -250,6 +263,33 @@ class Trainer:
             else:
                 self.loader.set_epoch(self.loader.sampler.epoch + 1)
         return self._end(log, losses)
+
+    def _timed_batches(self):
+        """The loader's batches; the time spent waiting for each goes into the interval's data_wait."""
+        batches = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            self._interval.data_wait += time.perf_counter() - start
+            if batch is None:
+                return
+            yield batch
+
+    def _log_interval(self, log: RunLogger, grad_norm) -> float:
+        """One log line over the steps since the last (a collective: every rank calls it); returns the loss."""
+        cfg, interval = self.cfg, self._interval
+        mean = interval.loss.item() / interval.good if interval.good else float("nan")
+        metrics = {"loss": all_reduce_mean(mean), "lr": self.scheduler.get_last_lr()[0]}
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)  # this step's
+        if self.guard.checking:
+            metrics["bad_steps"] = self.guard.bad_total
+        metrics["skipped_images"] = count_skipped(self.dataset)  # unreadable files, all ranks
+        if cfg.mixed_precision == "fp16":
+            metrics["skipped_steps"] = self.booster.skipped_steps
+        log.log(self.step, metrics, images=interval.steps * cfg.batch_size, data_wait_s=interval.data_wait)
+        interval.reset()
+        return metrics["loss"]
 
     def _end(self, log: RunLogger, losses: list[float]) -> list[float]:
         skipped = count_skipped(self.dataset)
