@@ -168,13 +168,17 @@ def file_problem(folder: str, name: str, entry: dict, checksums: bool = True) ->
     return None
 
 
+def _unverified(folder: str) -> None:
+    log.info("checkpoint %s has no %s (saved by an older opendit): its sizes and checksums are not verified",
+             folder, MANIFEST)
+
+
 def problems(folder: str, names=None, checksums: bool = True) -> list[str]:
     """What is wrong with the listed files of a step directory (all, or `names` among them); [] when it
     verifies or has no manifest."""
     files = read_manifest(folder)
     if files is None:
-        log.info("checkpoint %s has no %s (saved by an older opendit): loading it with sizes and checksums "
-                 "unverified", folder, MANIFEST)
+        _unverified(folder)
         return []
     chosen = sorted((n for n in files if names is None or n in names), key=lambda n: -files[n]["size"])
     found = _map(lambda n: file_problem(folder, n, files[n], checksums), chosen)
@@ -268,7 +272,7 @@ def verify_checkpoint(path: str, checksums: bool = True, names=None) -> None:
     that differs; a step directory without a manifest passes (with an info note)."""
     files = read_manifest(path)
     if files is None:
-        problems(path)  # logs the note
+        _unverified(path)
         return
     names = sorted((n for n in files if names is None or n in names), key=lambda n: (-files[n]["size"], n))
     if _dist():  # skip checksums everywhere if one rank (rank 0 resolving `latest`) just verified them all
@@ -359,7 +363,8 @@ def save_error(final: str, rank: int, e: BaseException | str) -> Exception:
     where = f" ({e.filename})" if e.filename else ""
     return OSError(e.errno, f"saving checkpoint {final} failed on rank {rank}: {e.strerror or e}{where}: {cause}. "
                             f"Free space (or lower --keep_last) and resume from the previous checkpoint, which is "
-                            f"intact; the partial {leftover} is ignored and removed by the next save")
+                            f"intact; the partial {leftover} is ignored, and removed by the next save or a "
+                            f"--load auto start")
 
 
 # ---- what a --ckpt argument is -------------------------------------------------------------------------------
