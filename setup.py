@@ -19,6 +19,7 @@ setup(
         "tensorboard",
         "tqdm",
         "scikit-learn",
+        "matplotlib",
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout"],
