@@ -8,7 +8,8 @@ latents instead of running them.
 
 Stores the posterior mean and std of every image (and of its horizontal flip with --flip_both), and for FLUX
 (--family flux --t5 ... --clip ...) each caption's T5 token embeddings and pooled CLIP vector;
-see opendit/data/latents.py for the layout. Unreadable images are skipped and counted.
+see opendit/data/latents.py for the layout. Unreadable images are skipped and counted. A bad flag or file ends
+the run before it encodes anything with one line, `error: ...`, and exit status 2 (opendit/cli.py).
 """
 import json
 import logging
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from opendit import config as cfglib
+from opendit.cli import parse_config, run_entry, say, setup_finished
 from opendit.data.latents import CACHE_DTYPES, CACHE_VERSION, MANIFEST, PARTIAL_SUFFIX, TEXT_ARRAYS, write_shard
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
 from opendit.families import get_family
@@ -108,6 +110,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
+    setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     # contiguous, deterministic slices: the cache's item order is the dataset's, whatever the world size
     n, w, r = len(dataset), info.world_size, info.rank
     indices = list(range(r * n // w, (r + 1) * n // w))
@@ -151,16 +154,20 @@ def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
     return manifest
 
 
-def main(argv=None) -> dict:
-    parser = cfglib.build_parser(cfglib.PreprocessConfig, __doc__)
-    cfg = cfglib.from_args(cfglib.PreprocessConfig, parser.parse_args(argv))
-    if not cfg.out:
-        parser.error("--out is required: the cache folder to write")
+def run(cfg: cfglib.PreprocessConfig) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     return preprocess(cfg)
 
 
+def main(argv=None) -> dict:
+    """The command line's run, in this process (a bad flag raises; see __main__ for the one-line form)."""
+    cfg = parse_config(cfglib.PreprocessConfig, __doc__, argv)
+    for warning in cfglib.check_config(cfg):
+        say("warning", warning)
+    return run(cfg)
+
+
 if __name__ == "__main__":
-    main()
+    run_entry(run, parse_config(cfglib.PreprocessConfig, __doc__), check=cfglib.check_config)
     cleanup()
     exit_process()

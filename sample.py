@@ -65,6 +65,7 @@ def main(cfg: cfglib.SampleConfig) -> None:
 
 
 if __name__ == "__main__":
-    parser = cfglib.build_parser(cfglib.SampleConfig, __doc__)
-    main(cfglib.from_args(cfglib.SampleConfig, parser.parse_args()))
+    from opendit.cli import parse_config, run_entry  # a bad flag or file: one line `error: ...`, exit status 2
+
+    run_entry(main, parse_config(cfglib.SampleConfig, __doc__), check=cfglib.check_config)
     exit_process()

@@ -5,19 +5,24 @@
         --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 --num_workers 0   # the same
     torchrun --nproc_per_node 8 train.py --model DiT-XL/2 --dataset folder --data_path /imagenet/train \\
         --image_size 256 --vae stabilityai/sd-vae-ft-ema --plugin zero2 --mixed_precision bf16
+
+A bad flag or file ends the run before it starts with one line, `error: ...`, and exit status 2 (opendit/cli.py).
 """
 from opendit import config as cfglib
-from opendit.distributed import cleanup, exit_process
+from opendit.cli import parse_config, run_entry, setup_finished
 
 
 def main(cfg: cfglib.TrainConfig) -> None:
+    from opendit.distributed import cleanup
     from opendit.training.loop import Trainer
 
-    Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
+    trainer.train()
     cleanup()
 
 
 if __name__ == "__main__":
-    parser = cfglib.build_parser(cfglib.TrainConfig, __doc__)
-    main(cfglib.from_args(cfglib.TrainConfig, parser.parse_args()))
+    run_entry(main, parse_config(cfglib.TrainConfig, __doc__), check=cfglib.check_config)
+    from opendit.distributed import exit_process
     exit_process()
