@@ -1,0 +1,3 @@
+from opendit.eval.cli import main
+
+main()
