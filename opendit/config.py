@@ -147,6 +147,14 @@ class TrainConfig:
     num_workers: int | None = opt(None, "DataLoader worker processes per rank; default: this machine's CPU cores "
                                         "per process less one, at most 4")
     log_every: int = opt(50, "steps between log lines (loss, lr, img/s, MFU)")
+    val_every: int = opt(0, "steps between validation losses (fixed samples, stratified timesteps, fixed noise: "
+                            "comparable across steps and runs); 0: off")
+    val_data_path: str | None = opt(None, "validation data of the same --dataset kind; default: --val_samples held "
+                                          "out of the training data")
+    val_samples: int = opt(256, "samples the validation loss averages over")
+    sample_every: int = opt(0, "steps between preview grids sampled from the EMA (fixed classes or prompts and "
+                               "noise) into <run>/previews and TensorBoard; 0: off")
+    preview_steps: int | None = opt(None, "denoising steps of a preview; default: the family's quick setting")
     ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)")
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted")
     outputs: str = opt("outputs", "runs go to <outputs>/NNN-<model>/")
@@ -325,14 +333,15 @@ def check_config(cfg) -> list[str]:
     (opendit/cli.py). Returns warnings for values that work but are likely a mistake. Any config class."""
     import math
 
-    pos, nonneg = (lambda v: v > 0, "must be > 0"), (lambda v: v >= 0, "must be >= 0")
+    pos, nonneg = (lambda v: v > 0, "must be {a}> 0"), (lambda v: v >= 0, "must be {a}>= 0")
     prob = (lambda v: 0 <= v <= 1, "must be a probability in [0, 1]")
     rules = dict.fromkeys(["batch_size", "lr", "log_every", "ckpt_every", "keep_last", "grad_accum", "image_size",
                            "num_classes", "num_frames", "frame_interval", "t5_max_length", "vae_scale", "shard_size",
                            "num_sampling_steps", "fps", "dp_replicate", "sequence_parallel_size", "in_channels",
-                           "dist_timeout"], pos)
+                           "dist_timeout", "val_samples", "preview_steps"], pos)
     rules.update(dict.fromkeys(["max_steps", "warmup_steps", "grad_clip", "weight_decay", "num_workers",
-                                "num_samples", "ddim_eta", "grad_checkpoint", "blocks_to_swap", "max_bad_steps"],
+                                "num_samples", "ddim_eta", "grad_checkpoint", "blocks_to_swap", "max_bad_steps",
+                                "val_every", "sample_every"],
                                nonneg))
     rules.update(class_dropout_prob=prob, text_dropout_prob=prob,
                  ema_decay=(lambda v: 0 <= v < 1, "must be in [0, 1): 0 turns the EMA off, DiT uses 0.9999"))
@@ -348,7 +357,8 @@ def check_config(cfg) -> list[str]:
             raise ValueError(f"--{name} {value}: must be a finite number")
         if name in rules and not rules[name][0](value):
             fix = f"; {fixes[name]}" if name in fixes else ""
-            raise ValueError(f"--{name} {value}: {rules[name][1]}{fix}")
+            what = rules[name][1].format(a="an integer " if isinstance(value, int) else "")
+            raise ValueError(f"--{name} {value}: {what}{fix}")
     if "epochs" in names and cfg.max_steps == 0 and cfg.epochs < 1:
         raise ValueError(f"--epochs {cfg.epochs}: must be >= 1 when --max_steps is 0; set one of them")
     if "ckpt" in names and not cfg.ckpt:

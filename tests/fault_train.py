@@ -36,12 +36,12 @@ def faulty_train_step(fault: str):
         bad = _steps(rest)
 
         def train_step(self, batch):
-            objective_loss = type(self.objective).loss
+            objective_losses = type(self.objective).losses
 
-            def loss(objective, model, x, cond):
-                value = objective_loss(objective, model, x, cond)
-                return value * float("nan") if self.step + 1 in bad else value
-            self.objective.loss = loss.__get__(self.objective)
+            def losses(objective, model, x, cond, **kw):
+                per_sample, t = objective_losses(objective, model, x, cond, **kw)
+                return (per_sample * float("nan") if self.step + 1 in bad else per_sample), t
+            self.objective.losses = losses.__get__(self.objective)
             return original_step(self, batch)
     else:
         parts = rest.split(":")

@@ -143,13 +143,18 @@ class RectifiedFlow:
 
     @staticmethod
     def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Scalar fp32 loss: squared error in fp32 (whatever pred's dtype), mean over all but the batch dim,
-        then over the batch. pred and target [B, ...] of the same shape."""
+        """Scalar fp32 loss: the mean over the batch of mse_per_sample."""
+        return RectifiedFlow.mse_per_sample(pred, target).mean()
+
+    @staticmethod
+    def mse_per_sample(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """fp32 [B]: squared error in fp32 (whatever pred's dtype), mean over all but the batch dim. pred and
+        target [B, ...] of the same shape."""
         if pred.shape != target.shape:
             raise ValueError(f"prediction shape {tuple(pred.shape)} must equal target shape {tuple(target.shape)}"
                              f"; unpack the model's tokens to x0's layout (or pack x0 and noise) first")
         err = (pred.float() - target.float()) ** 2
-        return err.flatten(1).mean(1).mean()
+        return err.flatten(1).mean(1)
 
     def loss_from(self, pred: torch.Tensor, *, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """mse(pred, noise - x0): the loss of a velocity prediction pred [B, ...] made at noisy(x0, t, noise).

@@ -86,9 +86,14 @@ def check_model_contract(model: nn.Module, name: str) -> None:
 
 class Objective(Protocol):
     """What one training micro-batch costs. prepare: a loader batch -> (model input x [B, ...], cond: dict of
-    model keyword tensors, each [B, ...]); loss: the mean loss, computed in fp32, from the global RNG."""
+    model keyword tensors, each [B, ...]; train=False: no condition dropout); losses: per-sample losses [B] in
+    fp32 and each sample's noise level t in [0, 1] [B], with t and noise from the global RNG, or given (the
+    validation loss's fixed ones); loss: their mean."""
 
-    def prepare(self, batch, device: torch.device) -> tuple[torch.Tensor, dict]: ...
+    def prepare(self, batch, device: torch.device, train: bool = True) -> tuple[torch.Tensor, dict]: ...
+
+    def losses(self, model: nn.Module, x: torch.Tensor, cond: dict, t_frac: torch.Tensor | None = None,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def loss(self, model: nn.Module, x: torch.Tensor, cond: dict) -> torch.Tensor: ...
 

@@ -71,14 +71,14 @@ class FlowObjective:
         x = x.to(device, non_blocking=True)
         return x if vae is None else encode(vae, x, scale=scale, shift=self.vae_shift)
 
-    def prepare(self, batch, device):
+    def prepare(self, batch, device, train: bool = True):
         if len(batch) == 5:  # cached: (mean, std), labels, captions, T5, CLIP
             txt, vec = batch[3].to(device).float(), batch[4].to(device).float()
         else:
             txt, vec = self.encoders.encode(list(batch[1]), device)
         x = self._latents(batch[0], device)
         empty_txt, empty_vec = self.encoders.empty_embeddings(device)
-        p = self.cfg.text_dropout_prob
+        p = self.cfg.text_dropout_prob if train else 0.0
         drop_txt = (torch.rand(len(txt)) < p).to(device)  # the global RNG: the same on every SP rank
         drop_vec = (torch.rand(len(vec)) < p).to(device)
         txt = torch.where(drop_txt[:, None, None], empty_txt, txt)
@@ -87,13 +87,23 @@ class FlowObjective:
 
     def loss(self, model, x, cond: dict) -> torch.Tensor:
         """x [B, C, h, w] latents; t from the configured distribution with FLUX's shift for this resolution."""
+        return self.losses(model, x, cond)[0].mean()
+
+    def losses(self, model, x, cond: dict, t_frac: torch.Tensor | None = None,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-sample loss [B] in fp32, t [B]). t_frac and noise None: drawn from the global RNG (training);
+        given: used as they are (validation: t is the noise level itself, no shift)."""
         b, _, h, w = x.shape
-        t = self.flow.sample_t(b, x.device, image_seq_len=(h // 2) * (w // 2),
-                               distribution=self.cfg.timestep_sampling)
-        noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
+        if t_frac is None:
+            t = self.flow.sample_t(b, x.device, image_seq_len=(h // 2) * (w // 2),
+                                   distribution=self.cfg.timestep_sampling)
+        else:
+            t = t_frac.to(x.device, torch.float32)
+        if noise is None:
+            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
         pred = model(**flux_inputs(pack_latents(self.flow.noisy(x, t, noise)), h, w, cond["txt"], cond["y"], t,
                                    self.cfg.guidance if self.guidance_embed else None))
-        return self.flow.mse(unpack_latents(pred.float(), h, w), self.flow.target(x, noise))
+        return self.flow.mse_per_sample(unpack_latents(pred.float(), h, w), self.flow.target(x, noise)), t
 
 
 def flux_inputs(img, h: int, w: int, txt, y, t, guidance: float | None) -> dict:

@@ -57,7 +57,7 @@ class VideoDiffusionObjective(DiffusionObjective):
         super().__init__(vae, vae_scale, learn_sigma, labels=text is None)
         self.text, self.drop_prob = text, drop_prob
 
-    def prepare(self, batch, device):
+    def prepare(self, batch, device, train: bool = True):
         x, y, captions = batch[0], batch[1], (batch[2] if len(batch) > 2 else None)
         if isinstance(x, (list, tuple)):
             mean, std = (t.to(device, non_blocking=True) for t in x)
@@ -69,7 +69,7 @@ class VideoDiffusionObjective(DiffusionObjective):
             self.vae_scale
         if self.text is None:
             return x, {"y": y.to(device, non_blocking=True)}
-        drop = (torch.rand(len(captions)) < self.drop_prob).tolist()  # the global RNG: same on SP ranks
+        drop = (torch.rand(len(captions)) < (self.drop_prob if train else 0.0)).tolist()  # same on SP ranks
         return x, {"text": self.text([("" if d else c) for c, d in zip(captions, drop)]).to(device)}
 
 

@@ -17,6 +17,7 @@ from opendit.booster.precision import set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
                                 resolve_checkpoint, load_into_meta_model, load_weights, rng_state, save_checkpoint,
                                 set_rng_state)
+from opendit.checkpoint_integrity import record_files
 from opendit.data import count_skipped
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
@@ -28,6 +29,8 @@ from opendit.perf import MFUMeter
 from opendit.training.guard import PeerTimeoutError, StepGuard, is_timeout
 from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
                                         prepare_boosted_optimizer, validate_optimizer)
+from opendit.training.preview import Previewer, gather_preview_weights
+from opendit.training.validation import BUILT_IN_DATASETS, BucketSums, TrainingPart, Validator, holdout, spread
 from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
 
 logger = logging.getLogger("opendit")
@@ -57,6 +60,7 @@ class Interval:
     """What the steps since the last log line add up to. The loss stays a device tensor (no host sync per
     step); steps skipped as non-finite are left out of it."""
     loss: torch.Tensor
+    buckets: BucketSums  # the per-sample losses by noise level
     steps: int = 0
     good: int = 0
     data_wait: float = 0.0
@@ -91,12 +95,18 @@ class Trainer:
         self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
         self.dataset, self.cfg = self.family.load_data(cfg, self.encoders)  # settings the data decides
         self.objective = self.family.objective(self.cfg, self.encoders)
-        self._boost(self._build_model())
+        train_data = self._split_validation()
+        self._boost(self._build_model(), train_data)
         self.step = 0
         if self.resume_from is not None:
             self._resume()
         self.last_checkpoint = self.resume_from
+        # the loss stays a device tensor between logs (float64: the sum a Python float would give)
+        self._interval = Interval(torch.zeros((), dtype=torch.float64, device=self.dist.device),
+                                  BucketSums(self.dist.device))
         self.run_dir = self._make_run_dir()  # only now: a run that cannot start leaves no folder behind
+        self.previewer = None if not self.cfg.sample_every else Previewer(  # every rank: it may encode prompts
+            self.family, self.cfg, self.encoders, self.dist.device, self.run_dir, dataset=self.dataset)
         # from the epoch's start, not from a resumed position (len(loader) counts what is left of this epoch)
         steps_per_epoch = self.loader.sampler.epoch_samples(0) // self.cfg.batch_size
         self.total_steps = self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
@@ -148,14 +158,34 @@ class Trainer:
                             device=self.dist.device)
         return model
 
-    def _boost(self, model: torch.nn.Module) -> None:
+    def _split_validation(self):
+        """-> the data to train on; sets self.validator (None without --val_every)."""
+        cfg, self.validator = self.cfg, None
+        if not cfg.val_every:
+            return self.dataset
+        if cfg.val_data_path:
+            if cfg.dataset in BUILT_IN_DATASETS:
+                raise ValueError(f"--val_data_path with --dataset {cfg.dataset}: the built-in data has no path; leave "
+                                 f"it out and --val_samples {cfg.val_samples} items are held out of training")
+            val_data, _ = self.family.load_data(dataclasses.replace(cfg, data_path=cfg.val_data_path), self.encoders)
+            train_data, indices = self.dataset, spread(len(val_data), cfg.val_samples)
+        else:
+            train_idx, indices = holdout(len(self.dataset), cfg.val_samples, cfg.global_seed)
+            val_data, train_data = self.dataset, TrainingPart(self.dataset, train_idx)
+            logger.info("validation: %d of %d items held out of training", len(indices), len(self.dataset))
+        micro_batch = max(cfg.batch_size // self.booster.dp_size // cfg.grad_accum, 1)
+        self.validator = Validator(val_data, indices, self.objective, self.booster, micro_batch, cfg.global_seed,
+                                   self.dist.device)
+        return train_data
+
+    def _boost(self, model: torch.nn.Module, train_data) -> None:
         cfg = self.cfg
         cast_for_master_weights(model, cfg.master_weights)
         optimizer = self._build_optimizer(model)
         warmup = max(cfg.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         # batch_size is the global batch; the booster shards it by data-parallel rank with a resumable sampler
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+        loader = torch.utils.data.DataLoader(train_data, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                                              shuffle=True, drop_last=True)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
@@ -235,8 +265,6 @@ class Trainer:
         logger.info("run folder %s; %d steps; global batch %d over %d data-parallel ranks", self.run_dir,
                     self.total_steps, cfg.batch_size, self.booster.dp_size)
         self.model.train()
-        # the loss stays a device tensor between logs (float64: the sum a Python float would give)
-        self._interval = Interval(torch.zeros((), dtype=torch.float64, device=self.dist.device))
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
             for batch in self._timed_batches():
@@ -252,6 +280,10 @@ class Trainer:
                     log.first_step(self.step)
                 else:
                     log.tick(self.step)
+                if self.validator is not None and self.step % cfg.val_every == 0:
+                    log.log_validation(self.step, self.validator(self.model))
+                if self.previewer is not None and self.previewer.due(self.step):
+                    self._preview(log)
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps or stop:
                     self.save()
                 if stop:
@@ -263,6 +295,16 @@ class Trainer:
             else:
                 self.loader.set_epoch(self.loader.sampler.epoch + 1)
         return self._end(log, losses)
+
+    def _preview(self, log: RunLogger) -> None:
+        """The preview grid of this step from the EMA (or the weights): gathered on every rank, sampled on rank 0
+        while the others wait; a failed preview is logged and training goes on."""
+        weights = gather_preview_weights(self.model, self.ema)
+        if self.dist.rank == 0:
+            self.previewer(self.step, weights, tb=log.tb)
+        del weights
+        if dist.is_initialized():
+            dist.barrier()
 
     def _timed_batches(self):
         """The loader's batches; the time spent waiting for each goes into the interval's data_wait."""
@@ -287,7 +329,9 @@ class Trainer:
         metrics["skipped_images"] = count_skipped(self.dataset)  # unreadable files, all ranks
         if cfg.mixed_precision == "fp16":
             metrics["skipped_steps"] = self.booster.skipped_steps
-        log.log(self.step, metrics, images=interval.steps * cfg.batch_size, data_wait_s=interval.data_wait)
+        by_noise_level = interval.buckets.read("loss")[1]
+        log.log(self.step, metrics, images=interval.steps * cfg.batch_size, data_wait_s=interval.data_wait,
+                quiet=by_noise_level)
         interval.reset()
         return metrics["loss"]
 
@@ -305,10 +349,13 @@ class Trainer:
         cfg, booster, guard = self.cfg, self.booster, self.guard
         x, cond = self.objective.prepare(batch, self.dist.device)
         total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        terms = []  # (per-sample losses, t) of each micro-batch, for the loss by noise level
         for i, (xm, cm) in enumerate(micro_batches(x, cond, cfg.grad_accum)):
             last = i == cfg.grad_accum - 1
             with booster.no_sync(self.model, enabled=not last), booster.autocast():
-                loss = self.objective.loss(self.model, xm, cm) / cfg.grad_accum
+                per_sample, t = self.objective.losses(self.model, xm, cm)
+                terms.append((per_sample.detach(), t))
+                loss = per_sample.mean() / cfg.grad_accum
                 # --fused_backward updates inside backward: only the loss can be checked, before it
                 if self.fused is not None and guard.active and guard.agree(
                         ~torch.isfinite(loss) if guard.checking else None, self.step + 1):
@@ -324,6 +371,8 @@ class Trainer:
             if guard.active and guard.agree(self._non_finite(total, grad_norm), self.step + 1):
                 booster.skip_step(self.optimizer)
                 return total, grad_norm, True
+        for per_sample, t in terms:
+            self._interval.buckets.add(per_sample, t)
         if booster.step(self.optimizer):
             self.scheduler.step()
             if self.ema is not None:
@@ -350,6 +399,7 @@ class Trainer:
             export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
         if self.dist.rank == 0:
             cfglib.save_yaml(self.cfg, Path(path) / "config.yaml")
+            record_files(path, ["config.yaml"])  # into the checkpoint's manifest, so a load verifies it too
         dist.barrier()
         self.last_checkpoint = path
         logger.info("saved checkpoint %s", path)

@@ -114,9 +114,10 @@ class RunLogger:
             self._last_output = now
         self._last_status = now
 
-    def log(self, step: int, metrics: dict, images: int, data_wait_s: float = 0.0) -> None:
+    def log(self, step: int, metrics: dict, images: int, data_wait_s: float = 0.0, quiet: dict | None = None) -> None:
         """metrics: averaged over ranks and the interval since the last call; images: seen in that interval;
-        data_wait_s: of the interval, the seconds spent waiting for the next batch."""
+        data_wait_s: of the interval, the seconds spent waiting for the next batch; quiet: more metrics for the
+        files only, not the console line."""
         now = time.perf_counter()
         dt = max(now - self._t0, 1e-9)
         steps_per_s = (step - self._step0) / dt
@@ -129,12 +130,7 @@ class RunLogger:
         if self.rank != 0:
             return
         self._last_output = now
-        record = {"step": step, **metrics, **rate, "time": time.time()}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in {**metrics, **rate}.items():
-                self.tb.add_scalar(f"train/{k}", v, step)
+        self._write(step, {**metrics, **(quiet or {}), **rate}, "train")
         eta = (self.total_steps - step) / steps_per_s if steps_per_s > 0 else float("inf")
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if v or k not in QUIET_WHEN_ZERO)
         mfu = f" MFU {rate['mfu']:.1%}" if "mfu" in rate else ""
@@ -142,6 +138,24 @@ class RunLogger:
         wait = f" | data wait {rate['data_wait_frac']:.0%}" if rate["data_wait_frac"] >= 0.05 else ""
         logger.info("step %d/%d %s | %.2f steps/s %.1f img/s%s%s%s | ETA %s", step, self.total_steps, shown,
                     steps_per_s, rate["img_per_s"], mfu, mem, wait, _fmt_eta(eta))
+
+    def log_validation(self, step: int, metrics: dict) -> None:
+        """The validation loss (and by noise level): its own JSONL record ("kind": "val") and TensorBoard tag."""
+        if self.rank != 0:
+            return
+        self._write(step, metrics, "val")
+        by_level = " ".join(f"{v:.4g}" for k, v in metrics.items() if k != "val_loss")
+        logger.info("step %d validation loss %.4g (by noise level, low to high: %s)", step, metrics["val_loss"],
+                    by_level)
+
+    def _write(self, step: int, values: dict, kind: str) -> None:
+        record = {"step": step, **values, "time": time.time()} if kind == "train" else \
+            {"step": step, "kind": kind, **values, "time": time.time()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(f"{kind}/{k.removeprefix(kind + '_')}", v, step)
 
     def close(self) -> None:
         if self.terminal:
