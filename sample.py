@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from opendit import config as cfglib
+from opendit.cli import setup_finished
 from opendit.booster.precision import set_tf32
 from opendit.distributed import cleanup, exit_process, init_distributed
 from opendit.inference import global_batches, load_model
@@ -50,8 +51,10 @@ def main(cfg: cfglib.SampleConfig) -> None:
     except ValueError as e:
         raise SystemExit(f"sample.py: {e}") from None
     sampler = family.make_sampler(cfg, run)
+    sampler.progress = info.rank == 0  # a progress bar over each batch's denoising steps
     num = cfg.num_samples or len(conditions)
     writer = family.writer(Path(cfg.out), cfg, run)
+    setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     for batch in global_batches(num, cfg.batch_size, dp_rank, dp_size):
         samples = family.sample_batch(loaded, sampler, batch, conditions, cfg, info.device)
         for i, sample in zip(batch, samples if writes else []):

@@ -5,7 +5,8 @@ the user's to fix. Rank 0 prints `error: <message>` (the message names the flag 
 rank leaves the process group and exits with status 2, and no traceback is shown; OPENDIT_TRACEBACK=1 shows it
 instead. argparse's errors (an unknown flag, a value of the wrong type or not among the choices) become one
 such line too. Once set-up is over (`setup_finished()`, called by the entry before its first training or
-sampling step) an exception is a fault of the run, not of its flags: it keeps its traceback.
+sampling step) an exception is a fault of the run, not of its flags: it keeps its traceback, except a RunStopped
+(too many non-finite steps, a dead peer), whose message already says what happened: one line, exit status 1.
 
 Under torchrun, which ends every rank once one exits, rank 0 marks in the job's store that it printed, and the
 other ranks wait for that mark (at most 30 s, else they print their own line with their rank) before they exit
@@ -20,6 +21,12 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADir
                PermissionError)
 TRACEBACK_ENV = "OPENDIT_TRACEBACK"
 _setup_over = False
+
+
+class RunStopped(RuntimeError):
+    """A run that stopped on a fault it diagnosed itself (too many non-finite steps, a peer that stopped
+    answering): its message says what happened and where to resume, so it is printed as the one error line,
+    exit status 1, without a traceback (OPENDIT_TRACEBACK=1 shows it)."""
 
 
 def setup_finished() -> None:
@@ -116,6 +123,10 @@ def run_entry(main_fn, cfg, check=None):
             raise
         script, sep, text = e.code.partition(": ")
         fail(text if sep and script.endswith(".py") else e.code, hint=False)
+    except RunStopped as e:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        fail(message(e), code=1)
     except USER_ERRORS as e:
         if _setup_over or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise

@@ -62,9 +62,9 @@ def faulty_train_step(fault: str):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # opendit from this checkout, as train.py would import it
     from opendit.training.loop import Trainer
 
     Trainer.train_step = faulty_train_step(os.environ["OPENDIT_FAULT"])
-    sys.path.insert(0, str(ROOT))
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

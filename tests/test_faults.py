@@ -78,6 +78,14 @@ def _finish(proc, timeout=300):
     return proc.returncode, out + err
 
 
+def test_a_run_stopped_by_non_finite_steps_ends_with_one_error_line(tmp_path):
+    code, text = _finish(_launch([FAULT_TRAIN, *DEBUG_ARGS, "--max_steps", "20", "--ckpt_every", "2",
+                                  "--max_bad_steps", "2", "--outputs", str(tmp_path)], env={"OPENDIT_FAULT": "nan:5-99"}))
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--max_bad_steps 2" in errors[0] and "step-000004" in errors[0], text[-3000:]
+
+
 def _checkpoints(outputs):
     return sorted(p.name for p in Path(outputs).glob("*/checkpoints/step-*"))
 
@@ -141,6 +149,7 @@ def test_a_hung_peer_turns_into_an_error_within_dist_timeout(tmp_path):
     assert code != 0
     assert time.time() - start < 120
     assert "--dist_timeout 0.1" in text and "step 3" in text, text[-3000:]
+    assert "error: step 3: another rank did not answer" in text, text[-3000:]  # one line, no traceback
 
 
 def test_training_logs_the_total_of_skipped_images_over_workers(tmp_path, capfd):

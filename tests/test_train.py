@@ -130,8 +130,10 @@ def test_torchrun_two_processes_then_sample_one_and_two_processes_agree(tmp_path
     assert (ckpt / "ema.safetensors").is_file()
     common = ["sample.py", "--ckpt", str(ckpt), "--num_sampling_steps", "5", "--num_samples", "6",
               "--batch_size", "2", "--cfg_scale", "2", "--npz"]
-    _run([*common, "--out", str(tmp_path / "s1")])
-    _run([*common, "--out", str(tmp_path / "s2")], nproc=2)
+    one = _run([*common, "--out", str(tmp_path / "s1")])
+    two = _run([*common, "--out", str(tmp_path / "s2")], nproc=2)
+    # a progress bar over the denoising steps of each batch, on rank 0 only (3 batches, then 2 of each rank)
+    assert one.stderr.count("sampling: 100%") == 3 and two.stderr.count("sampling: 100%") == 2, two.stderr
     for i in range(6):
         a = np.asarray(Image.open(tmp_path / "s1" / "images" / f"{i:06d}.png"))
         b = np.asarray(Image.open(tmp_path / "s2" / "images" / f"{i:06d}.png"))

@@ -63,9 +63,11 @@ class GaussianSampler:
         if name not in SAMPLERS:
             raise ValueError(f"--sampler {name!r}: valid choices are {', '.join(SAMPLERS)}")
         self.name, self.steps, self.eta, self.clip_denoised = name, steps, eta, clip_denoised
+        self.progress = False  # the default of __call__'s progress bar (sample.py sets it on rank 0)
         self.diffusion = create_diffusion(f"ddim{steps}" if name == "ddim" else str(steps), learn_sigma=learn_sigma)
 
-    def __call__(self, model_fn, z, model_kwargs, device=None, generator=None, progress=False) -> torch.Tensor:
+    def __call__(self, model_fn, z, model_kwargs, device=None, generator=None, progress=None) -> torch.Tensor:
+        progress = self.progress if progress is None else progress
         if self.name == "ddpm":
             return self.diffusion.p_sample_loop(model_fn, z.shape, z, model_kwargs, device=device,
                                                 generator=generator, progress=progress,

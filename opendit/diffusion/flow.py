@@ -31,7 +31,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .sampling import randn
+from .sampling import progress_interval, randn
 
 FLOW_SAMPLERS = ("euler",)
 TIMESTEP_SAMPLINGS = ("logit_normal", "uniform")
@@ -206,7 +206,8 @@ def euler_sample(velocity_fn, x: torch.Tensor, timesteps, progress: bool = False
                          f"flux_schedule(num_steps, image_seq_len))")
     x = x.float()
     with torch.no_grad():
-        for t_curr, t_prev in tqdm(list(zip(timesteps[:-1], timesteps[1:])), desc="sampling", disable=not progress):
+        for t_curr, t_prev in tqdm(list(zip(timesteps[:-1], timesteps[1:])), desc="sampling", disable=not progress,
+                                   mininterval=progress_interval()):
             t_vec = torch.full((x.shape[0],), t_curr, dtype=torch.float32, device=x.device)
             pred = velocity_fn(x, t_vec)
             if pred.shape != x.shape:

@@ -11,11 +11,18 @@ labels and cfg_scale. With learn_sigma it mixes only the eps channels
 channels; take the first (conditional) half of the final samples, whose variance is the
 conditional prediction's.
 """
+import sys
+
 import torch
 
 from tqdm.auto import tqdm
 
 from .schedule import extract as _extract
+
+
+def progress_interval() -> float:
+    """Seconds between progress-bar updates: live on a terminal, every 30 s into a log file."""
+    return 1.0 if sys.stderr.isatty() else 30.0
 
 
 def randn(shape, generator=None, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -78,7 +85,7 @@ class SamplingMixin:
         else:
             x = randn(shape, generator, device)
         indices = range(self.num_timesteps - 1, -1, -1)
-        for i in tqdm(indices, desc="sampling", disable=not progress):
+        for i in tqdm(indices, desc="sampling", disable=not progress, mininterval=progress_interval()):
             t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
             with torch.no_grad():
                 out = step(x, t)

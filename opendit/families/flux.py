@@ -118,6 +118,7 @@ def flux_inputs(img, h: int, w: int, txt, y, t, guidance: float | None) -> dict:
 class FluxSampler:
     timesteps: list[float]  # from 1 (noise) to 0 (data)
     guidance: float | None  # the guidance embedding's value (models that have one)
+    progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
 
 
 class FluxFamily(ImageDiffusionFamily):
@@ -248,7 +249,7 @@ class FluxFamily(ImageDiffusionFamily):
             out = model.forward_with_cfg(**kw, cfg_scale=sample_cfg.cfg_scale) if guided else model(**kw)
             return out[:n].float()
 
-        return unpack_latents(euler_sample(velocity, pack_latents(z), sampler.timesteps), h, w)
+        return unpack_latents(euler_sample(velocity, pack_latents(z), sampler.timesteps, sampler.progress), h, w)
 
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:

@@ -17,16 +17,18 @@ import threading
 import torch
 import torch.distributed as dist
 
+from opendit.cli import RunStopped
+
 logger = logging.getLogger("opendit")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(RunStopped):
     """Too many non-finite steps in a row: the run stops (its message says where to resume from)."""
 
 
-class PeerTimeoutError(RuntimeError):
+class PeerTimeoutError(RunStopped):
     """A collective waited longer than --dist_timeout: a peer died, hangs or is far slower."""
 
 
