@@ -114,8 +114,8 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     # contiguous, deterministic slices: the cache's item order is the dataset's, whatever the world size
     n, w, r = len(dataset), info.world_size, info.rank
     indices = list(range(r * n // w, (r + 1) * n // w))
-    shards, skipped, shape = encode_slice(lambda x, c: family.cache_encode(encoders, x, c), dataset, indices, partial, r,
-                                          cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
+    shards, skipped, shape = encode_slice(lambda x, c: family.cache_encode(encoders, x, c), dataset, indices, partial,
+                                          r, cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
                                           cfg.num_workers)
     gathered = [None] * w
     dist.all_gather_object(gathered, (shards, skipped, shape))
@@ -128,7 +128,8 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(partial, out)
-        logger.info("wrote %d latents (%d unreadable images skipped) to %s", manifest["count"], manifest["skipped"], out)
+        logger.info("wrote %d latents (%d unreadable images skipped) to %s", manifest["count"], manifest["skipped"],
+                    out)
     return broadcast_object(manifest)
 
 
@@ -147,7 +148,8 @@ def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),
         flip_both=bool(cfg.flip_both), dtype=cfg.dtype, captions=bool(all_shards) and all_shards[0]["captions"],
         embeddings=all_shards[0]["embeddings"] if all_shards else [], extras=extras,
-        **{key: getattr(cfg, key) for key in family.cache_keys}, source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
+        **{key: getattr(cfg, key) for key in family.cache_keys},
+        source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
         shards=all_shards)
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)

@@ -22,7 +22,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout"],
+        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5"],
         "kernels": ["triton"],
         "video": ["av"],
     },

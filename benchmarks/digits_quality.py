@@ -28,7 +28,8 @@ def train_classifier(image_size: int):
 
     def arrays(split):
         ds = DigitsDataset(image_size, split=split)
-        return np.stack([ds[i][0].numpy().ravel() for i in range(len(ds))]), np.array([ds[i][1] for i in range(len(ds))])
+        items = [ds[i] for i in range(len(ds))]
+        return np.stack([x.numpy().ravel() for x, _ in items]), np.array([y for _, y in items])
 
     (x_train, y_train), (x_held, y_held) = arrays("train"), arrays("held_out")
     clf = SVC(gamma="scale", C=10.0).fit(x_train, y_train)

@@ -8,8 +8,9 @@ torch.optim.AdamW (fp32 states); every state tensor of more than 4096 elements i
 in each format, and sum|x - decode(encode(x))| / sum|x| is reported separately for exp_avg and exp_avg_sq.
 
 Bytes table: the optimizer allocates its states for the real parameter shapes of DiT-XL/2 (the model
-itself) and FLUX.1-dev (opendit's FLUX model, whose shapes are the official release's) on the meta device, so the sizes are those of the
-tensors it creates, with no memory used; placement decides which column (device or host) they count in.
+itself) and FLUX.1-dev (opendit's FLUX model, whose shapes are the official release's) on the meta device, so
+the sizes are those of the tensors it creates, with no memory used; placement decides which column (device or
+host) they count in.
 """
 import argparse
 import math

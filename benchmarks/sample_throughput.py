@@ -147,7 +147,8 @@ def run_variant(spec, args, device, ctx, batch):
     def sample(cfg):  # -> float32 [batch, *shape] on device; noise depends only on (seed, indices)
         amp = torch.autocast(device.type, torch.bfloat16) if spec.get("autocast") else contextlib.nullcontext()
         with amp:
-            return family.sample_latents(loaded, family.make_sampler(cfg, latent_run), range(batch), labels, cfg, device)
+            sampler = family.make_sampler(cfg, latent_run)
+            return family.sample_latents(loaded, sampler, range(batch), labels, cfg, device)
 
     t0 = time.perf_counter()
     if args.warmup_steps:

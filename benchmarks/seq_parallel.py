@@ -135,7 +135,7 @@ def print_video_table(args, video, elem):
             if (fwd + bwd, gather) != (blocks, gather_analytic):
                 sys.exit(f"{name} {kind} P={P}: counted {fwd + bwd} + {gather} bytes, analytic {blocks} + "
                          f"{gather_analytic}: the counter or the formula is wrong")
-            kinds = getattr({"VDiT": VDiT, "Latte": Latte}[name], "sp_kinds")
+            kinds = {"VDiT": VDiT, "Latte": Latte}[name].sp_kinds
             mark = "yes" if kind == default_sp_kind(P, kinds) else ""
             total = XL_DEPTH // VIDEO_DEPTH * blocks + gather
             print(f"| {P} | {name} | {kind} | {fwd / 2**20:.2f} | {bwd / 2**20:.2f} | {blocks / 2**20:.2f} | "

@@ -62,5 +62,6 @@ def format_profile(result: dict, title: str, top: int = 15) -> str:
     out += ["", f"Top {top}:", "", "| kernel / op | kind | ms/step | calls/step | share |", "|---|---|---:|---:|---:|"]
     for name, us, calls in result["top"][:top]:
         short = name if len(name) <= 90 else name[:87] + "..."
-        out.append(f"| `{short.replace('|', '/')}` | {category(name)} | {us / 1e3:.3f} | {calls:.0f} | {us / total:.1%} |")
+        out.append(f"| `{short.replace('|', '/')}` | {category(name)} | {us / 1e3:.3f} | {calls:.0f} "
+                   f"| {us / total:.1%} |")
     return "\n".join(out) + "\n"

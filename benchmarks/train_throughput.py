@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--image_size", type=int, default=256, help="pixels; latents are image_size / 8")
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--recipe_batch_size", type=int, default=None,
-                   help="batch of variant a (fp32 needs far more memory; DiT trained with 32 per GPU); default --batch_size")
+                   help="batch of variant a (fp32 needs far more memory; DiT trained with 32 per GPU); "
+                        "default --batch_size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -78,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_mode", default=None, help='e.g. "max-autotune-no-cudagraphs" or "reduce-overhead"')
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--matmul_n", type=int, default=None, help="side of the peak matmul (default 8192 on CUDA, 256 on CPU)")
+    p.add_argument("--matmul_n", type=int, default=None,
+                   help="side of the peak matmul (default 8192 on CUDA, 256 on CPU)")
     p.add_argument("--peak_tflops", type=float, default=None, help="use this peak instead of measuring one")
     p.add_argument("--time_budget", type=float, default=0.0, help="seconds; 0 = no limit")
     p.add_argument("--seed", type=int, default=0)

@@ -36,7 +36,7 @@ def rss_kib() -> int:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])  # "VmRSS:   123456 kB"
-        raise RuntimeError("no psutil and no VmRSS in /proc/self/status: cannot read this process's memory")
+        raise RuntimeError("no psutil and no VmRSS in /proc/self/status: cannot read this process's memory") from None
     return psutil.Process().memory_info().rss // 1024
 
 

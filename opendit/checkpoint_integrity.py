@@ -425,6 +425,6 @@ def verify_listed_file(path: str) -> None:
     if files and name in files:
         why = file_problem(folder, name, files[name])
         if why:
-            fix = (f"; delete it to sample from the step folder's own shards (the same EMA weights), or export it "
-                   f"again" if name == "ema.safetensors" else "")
+            fix = ("; delete it to sample from the step folder's own shards (the same EMA weights), or export it "
+                   "again" if name == "ema.safetensors" else "")
             raise CheckpointCorruptError(f"{why}{fix}")

@@ -17,7 +17,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     plain pickle.load, which runs whatever a planted file asks for)."""
     _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                 ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+                ("builtins", "set"), ("builtins", "frozenset"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
     def find_class(self, module, name):
         found = super().find_class(module, name) if module.startswith(("torch", "pathlib", "collections",

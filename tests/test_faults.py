@@ -80,7 +80,8 @@ def _finish(proc, timeout=300):
 
 def test_a_run_stopped_by_non_finite_steps_ends_with_one_error_line(tmp_path):
     code, text = _finish(_launch([FAULT_TRAIN, *DEBUG_ARGS, "--max_steps", "20", "--ckpt_every", "2",
-                                  "--max_bad_steps", "2", "--outputs", str(tmp_path)], env={"OPENDIT_FAULT": "nan:5-99"}))
+                                  "--max_bad_steps", "2", "--outputs", str(tmp_path)],
+                                 env={"OPENDIT_FAULT": "nan:5-99"}))
     assert code == 1 and "Traceback" not in text, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--max_bad_steps 2" in errors[0] and "step-000004" in errors[0], text[-3000:]

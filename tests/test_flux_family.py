@@ -133,8 +133,9 @@ def test_flux_dev_flops_per_sample_from_its_layers():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"], ["--plugin", "hsdp", "--dp_replicate", "2"],
-                                   ["--plugin", "gemini"], ["--sequence_parallel_size", "2"]],
+@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"],
+                                   ["--plugin", "hsdp", "--dp_replicate", "2"], ["--plugin", "gemini"],
+                                   ["--sequence_parallel_size", "2"]],
                          ids=["zero2", "fsdp", "hsdp", "gemini", "sp2"])
 def test_two_process_runs_equal_ddp(tmp_path, encoders, flags):
     t5, clip = encoders

@@ -45,7 +45,8 @@ def test_toy_family_trains_resumes_and_samples_through_the_real_entry_points(tmp
 def test_unconditional_family_refuses_class_labels(tmp_path):
     run_trainer(toy_cfg(tmp_path, max_steps=1))
     with pytest.raises(SystemExit, match="unconditional"):
-        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path), class_labels=[1], out=str(tmp_path / "s")))
+        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path), class_labels=[1],
+                                        out=str(tmp_path / "s")))
 
 
 def test_entry_scripts_find_a_family_named_in_the_environment(tmp_path):
@@ -101,6 +102,7 @@ def test_an_official_dit_pt_is_named_and_sized_from_its_shapes(tmp_path):
     torch.save(model.state_dict(), tmp_path / "DiT-S-4-512x512.pt")
     settings, state = DiTFamily().recognize_checkpoint(str(tmp_path / "DiT-S-4-512x512.pt"))
     assert state is None and settings["model"] == "DiT-S/4" and settings["image_size"] == 512
-    assert settings["num_classes"] == 1000 and settings["learn_sigma"] and settings["vae"] == "stabilityai/sd-vae-ft-ema"
+    assert settings["num_classes"] == 1000 and settings["learn_sigma"]
+    assert settings["vae"] == "stabilityai/sd-vae-ft-ema"
     torch.save({"temp_embed": torch.zeros(1), "pos_embed": torch.zeros(1)}, tmp_path / "latte.pt")
     assert DiTFamily().recognize_checkpoint(str(tmp_path / "latte.pt")) is None  # not a DiT: the video family's

@@ -44,7 +44,8 @@ def test_resumed_losses_equal_uninterrupted(tmp_path):
     run_trainer(tiny_cfg(tmp_path / "b", max_steps=3, ckpt_every=3))
     _, resumed = run_trainer(tiny_cfg(tmp_path / "b", max_steps=6, ckpt_every=3, load="latest"))
     assert resumed == full[3:]  # exact in fp32
-    logged = [json.loads(l)["step"] for l in (tmp_path / "b" / "000-DiT-debug" / "log.jsonl").read_text().splitlines()]
+    log = tmp_path / "b" / "000-DiT-debug" / "log.jsonl"
+    logged = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert logged == [1, 2, 3, 4, 5, 6]  # the resumed run continues the same run folder and log
 
 
@@ -80,8 +81,8 @@ def save_tiny_vae(folder, latent_channels: int = 4):
 
     torch.manual_seed(0)
     AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
-                  sample_size=32).save_pretrained(folder)
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=latent_channels,
+                  norm_num_groups=8, sample_size=32).save_pretrained(folder)
     return str(folder)
 
 

@@ -201,10 +201,10 @@ def test_geometry_errors_name_the_fix():
 
 # ------------------------------------------------------------------------------------------------- FLOPs
 def test_video_flops_equal_a_hand_count():
-    D, T, S, depth, C, O, text = 32, 3, 4, 4, 4, 8, 12  # 3 frames of 2x2 patches, learned sigma
+    D, T, S, depth, C, C_out, text = 32, 3, 4, 4, 4, 8, 12  # 3 frames of 2x2 patches, learned sigma
     N, block = T * S, 3 * D * D + D * D + 2 * 4 * D * D  # qkv, proj, fc1, fc2 per token
     per_sample = 256 * D + D * D + text * D + depth * 6 * D * D + 2 * D * D  # t MLP, text, adaLN x blocks + final
-    common = N * (C * 4 * D) + per_sample + depth * N * block + N * D * (4 * O)  # patch conv, final linear
+    common = N * (C * 4 * D) + per_sample + depth * N * block + N * D * (4 * C_out)  # patch conv, final linear
     vdit = VDiT(input_size=(T, 4, 4), patch_size=(1, 2, 2), text_dim=text, **TINY)
     latte = Latte(input_size=(T, 4, 4), text_dim=text, **TINY)
     assert perf.video_forward_macs(vdit) == common + depth * 2 * N * N * D  # one sequence of T*S

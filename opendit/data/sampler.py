@@ -18,7 +18,7 @@ Counting. DataLoader workers prefetch ahead, so the sampler cannot tell which ba
 trained on; the training loop calls `advance()` once per batch it consumed (before checkpointing).
 """
 import math
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -28,7 +28,7 @@ from opendit.seeding import mix_seed
 
 class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, global_batch_size: Optional[int] = None):
+                 seed: int = 0, drop_last: bool = True, global_batch_size: int | None = None):
         if dataset_len <= 0:
             raise ValueError(f"dataset_len must be positive, got {dataset_len}; the dataset is empty")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
@@ -66,7 +66,7 @@ class ResumableDistributedSampler(Sampler[int]):
         """Record that `num_batches` batches (each one global batch across the DP ranks) were used."""
         self.consumed = min(self.consumed + num_batches * self.global_batch_size, self.epoch_samples())
 
-    def epoch_samples(self, start: Optional[int] = None) -> int:
+    def epoch_samples(self, start: int | None = None) -> int:
         """Global position at which this epoch ends, when iteration starts at `start` (default: now).
 
         drop_last drops a final partial global batch; otherwise it is padded by wrapping around
@@ -81,7 +81,7 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.consumed >= self.epoch_samples()
 
     # ---- iteration ----------------------------------------------------------------------------
-    def permutation(self, epoch: Optional[int] = None) -> torch.Tensor:
+    def permutation(self, epoch: int | None = None) -> torch.Tensor:
         """The epoch's global order: int64 [dataset_len], identical on every rank."""
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:

@@ -77,7 +77,8 @@ class GaussianSampler:
 
 
 __all__ = [
-    "SAMPLERS", "GaussianSampler", "create_diffusion", "GaussianDiffusion", "SpacedDiffusion", "space_timesteps", "get_named_beta_schedule",
+    "SAMPLERS", "GaussianSampler", "create_diffusion", "GaussianDiffusion", "SpacedDiffusion", "space_timesteps",
+    "get_named_beta_schedule",
     "ModelMeanType", "ModelVarType", "LossType", "normal_kl", "discretized_gaussian_log_likelihood",
     "mean_flat", "randn",
 ]

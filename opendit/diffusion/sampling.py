@@ -12,6 +12,7 @@ channels; take the first (conditional) half of the final samples, whose variance
 conditional prediction's.
 """
 import sys
+from collections import deque
 
 import torch
 
@@ -107,11 +108,9 @@ class SamplingMixin:
         noise: the starting x_T (else drawn from generator, float32, on device).
         clip_denoised defaults to False because DiT samples VAE latents, which are not in [-1, 1].
         """
-        final = None
-        for final in self.p_sample_loop_progressive(model_fn, shape, noise, model_kwargs, device, progress,
-                                                    generator, clip_denoised, denoised_fn):
-            pass
-        return final["sample"]
+        steps = self.p_sample_loop_progressive(model_fn, shape, noise, model_kwargs, device, progress, generator,
+                                               clip_denoised, denoised_fn)
+        return deque(steps, maxlen=1)[0]["sample"]  # the last step's; the others are dropped as they come
 
     def ddim_sample_loop_progressive(self, model_fn, shape, noise=None, model_kwargs=None, device=None,
                                      progress=False, generator=None, clip_denoised=False, denoised_fn=None,
@@ -125,8 +124,6 @@ class SamplingMixin:
     def ddim_sample_loop(self, model_fn, shape, noise=None, model_kwargs=None, device=None, progress=False,
                          generator=None, clip_denoised=False, denoised_fn=None, eta=0.0) -> torch.Tensor:
         """DDIM sampling over all of this diffusion's steps (respace it, e.g. "ddim50", to go fast)."""
-        final = None
-        for final in self.ddim_sample_loop_progressive(model_fn, shape, noise, model_kwargs, device, progress,
-                                                       generator, clip_denoised, denoised_fn, eta):
-            pass
-        return final["sample"]
+        steps = self.ddim_sample_loop_progressive(model_fn, shape, noise, model_kwargs, device, progress, generator,
+                                                  clip_denoised, denoised_fn, eta)
+        return deque(steps, maxlen=1)[0]["sample"]

@@ -5,7 +5,6 @@ z = (posterior sample - shift) * scale. SD's VAE (used by DiT) has scale 0.18215
 FLUX's has scale 0.3611, shift 0.1159.
 """
 import os
-from typing import Optional
 
 import torch
 
@@ -83,7 +82,7 @@ def vae_geometry(vae) -> tuple[int, int | None]:
 
 
 @torch.no_grad()
-def encode(vae, x: torch.Tensor, generator: Optional[torch.Generator] = None,
+def encode(vae, x: torch.Tensor, generator: torch.Generator | None = None,
            scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
     """x: [B, 3, H, W] in [-1, 1] -> float32 latents [B, C_lat, H/f, W/f] (f = VAE downsampling).
 

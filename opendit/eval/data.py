@@ -4,7 +4,7 @@ of images. Arrays are streamed from the npz in batches, never loaded whole (50,0
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image

@@ -20,7 +20,7 @@ import pickle
 import sys
 import types
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -1,8 +1,9 @@
 """Model families and the one registry of model names (see opendit.families.base for the interface).
 
-Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1). A family defined elsewhere registers itself with `register_family(family)` when
-its module is imported; name such modules in the environment variable OPENDIT_FAMILIES (comma-separated,
-e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py / sample.py / preprocess.py know its models.
+Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1). A family defined elsewhere registers
+itself with `register_family(family)` when its module is imported; name such modules in the environment variable
+OPENDIT_FAMILIES (comma-separated, e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py / sample.py /
+preprocess.py know its models.
 """
 import importlib
 import os

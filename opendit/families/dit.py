@@ -67,6 +67,7 @@ def settings_from_shapes(state: dict) -> dict:
     in_channels = state["x_embedder.proj.weight"].shape[1]
     side = int(state["pos_embed"].shape[1] ** 0.5) * patch
     name = match_registry(DIT_MODELS, depth=depth, hidden_size=hidden, patch_size=patch)
-    return dict(OFFICIAL_DEFAULTS, image_size=side * 8, num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1,
+    return dict(OFFICIAL_DEFAULTS, image_size=side * 8,
+                num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1,
                 learn_sigma=state["final_layer.linear.weight"].shape[0] == 2 * in_channels * patch * patch,
                 **({"model": name} if name else {}))

@@ -173,7 +173,8 @@ class FluxFamily(ImageDiffusionFamily):
     def build_model(self, cfg, latent_shape):
         channels, h, w = latent_shape
         model = self.models[cfg.model].build(in_channels=4 * channels, out_channels=4 * channels,
-                                             context_in_dim=t5_encoder_dim(cfg.t5), vec_in_dim=text_encoder_dim(cfg.clip))
+                                             context_in_dim=t5_encoder_dim(cfg.t5),
+                                             vec_in_dim=text_encoder_dim(cfg.clip))
         model.num_tokens = (cfg.t5_max_length, (h // 2) * (w // 2))  # (text, image) per sample, for the FLOP count
         return model
 
@@ -225,7 +226,8 @@ class FluxFamily(ImageDiffusionFamily):
     def make_sampler(self, sample_cfg, cfg) -> FluxSampler:
         sample_cfg = self.sample_defaults(sample_cfg, cfg)
         size = cfg.image_size // (8 if cfg.vae.lower() != "none" else 1)  # FLUX's autoencoder downsamples 8x
-        timesteps = flux_schedule(sample_cfg.num_sampling_steps, (size // 2) ** 2, shift=TIME_SHIFT.get(cfg.model, True))
+        timesteps = flux_schedule(sample_cfg.num_sampling_steps, (size // 2) ** 2,
+                                  shift=TIME_SHIFT.get(cfg.model, True))
         guidance = sample_cfg.guidance if FLUX_CONFIGS[cfg.model]["guidance_embed"] else None
         return FluxSampler(timesteps, guidance)
 

@@ -30,8 +30,9 @@ def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -
     factor, latent_channels = vae_geometry(vae)
     if image_size <= 0 or image_size % (factor * patch_size):
         need = "patch size" if vae is None else f"{factor} (the VAE's downsampling) x patch size"
-        raise ValueError(f"--image_size {image_size} must be a positive multiple of {need} = "
-                         f"{factor * patch_size}; e.g. {max(1, image_size // (factor * patch_size)) * factor * patch_size}")
+        step = factor * patch_size
+        raise ValueError(f"--image_size {image_size} must be a positive multiple of {need} = {step}; "
+                         f"e.g. {max(1, image_size // step) * step}")
     return image_size // factor, (data_channels if vae is None else latent_channels)
 
 
@@ -66,7 +67,8 @@ class ImageDiffusionFamily(ModelFamily):
     # ---- configuration and data ---------------------------------------------------------------------------
     def resolve_config(self, cfg):
         if cfg.dataset not in self.datasets:
-            raise ValueError(f"unknown dataset {cfg.dataset!r} for {cfg.model}; valid names: {', '.join(self.datasets)}")
+            raise ValueError(f"unknown dataset {cfg.dataset!r} for {cfg.model}; "
+                             f"valid names: {', '.join(self.datasets)}")
         if cfg.dataset == "latents":
             cfg = settings_from_cache(cfg, ("image_size", "vae", "vae_scale") + self.cache_keys)
         return self._defaults(cfg)

@@ -34,7 +34,8 @@ def _spec(name, ctor, depth, hidden, heads, patch):
 VIDEO_MODELS = {
     **{f"VDiT-{s}/{p}": _spec(f"VDiT-{s}/{p}", VDiT, d, h, n, tuple(int(v) for v in p.split("x")))
        for s, (d, h, n) in _SIZES.items() for p in ("1x2x2", "2x2x2")},
-    **{f"Latte-{s}/{p}": _spec(f"Latte-{s}/{p}", Latte, d, h, n, p) for s, (d, h, n) in _SIZES.items() for p in (2, 4, 8)},
+    **{f"Latte-{s}/{p}": _spec(f"Latte-{s}/{p}", Latte, d, h, n, p)
+       for s, (d, h, n) in _SIZES.items() for p in (2, 4, 8)},
     "VDiT-debug": _spec("VDiT-debug", VDiT, 2, 64, 4, (1, 2, 2)),
     "Latte-debug": _spec("Latte-debug", Latte, 2, 64, 4, 2),
 }

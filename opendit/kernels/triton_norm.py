@@ -8,7 +8,6 @@ Rows are the flattened tokens of x [B, N, C] -> [B*N, C]; row r belongs to sampl
 every sample reads its own scale / shift row (never sample 0's). Math is fp32 in registers;
 inputs and outputs may be fp16 / bf16 / fp32.
 """
-from typing import Optional
 
 import torch
 import triton
@@ -120,8 +119,8 @@ def _norm_bwd(X, DY, DX, W, Bias, Scale, Mean, Rstd, DW, DB, DScale, DShift, N, 
 # [B, C]; R = B * N. Outputs are fresh tensors (custom ops may not return views of their inputs).
 
 @torch.library.custom_op("opendit::norm_fwd", mutates_args=())
-def norm_fwd(x2: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], shift: Optional[Tensor],
-             scale: Optional[Tensor], eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+def norm_fwd(x2: Tensor, weight: Tensor | None, bias: Tensor | None, shift: Tensor | None,
+             scale: Tensor | None, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> y [R, C] (x's dtype promoted with shift / scale), mean [R] fp32 ([0] for RMS), rstd [R] fp32."""
     y, mean, rstd = _norm_fwd_fake(x2, weight, bias, shift, scale, eps, rms)
     x2 = x2.contiguous()
@@ -148,7 +147,7 @@ def _norm_fwd_fake(x2, weight, bias, shift, scale, eps, rms):
 
 
 @torch.library.custom_op("opendit::norm_bwd", mutates_args=())
-def norm_bwd(x2: Tensor, dy2: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], scale: Optional[Tensor],
+def norm_bwd(x2: Tensor, dy2: Tensor, weight: Tensor | None, bias: Tensor | None, scale: Tensor | None,
              mean: Tensor, rstd: Tensor, rows: int, rms: bool) -> tuple[Tensor, Tensor]:
     """-> dx [R, C] in x's dtype, and fp32 partial sums [4, B * n_blk, C] of the grads of weight, bias,
     scale, shift (n_blk = ceil(N / rows); only the slices the flags ask for are written)."""

@@ -24,7 +24,7 @@ def pinned_empty_like(t: torch.Tensor) -> torch.Tensor:
         except RuntimeError as err:  # e.g. the pinned-memory limit (ulimit -l) is reached
             _PIN_FAILED = True
             warnings.warn(f"pinning host memory failed ({err}); optimizer states use pageable memory, "
-                          "so host<->device copies are synchronous")
+                          "so host<->device copies are synchronous", stacklevel=2)
     return torch.empty(t.shape, dtype=t.dtype)
 
 

@@ -183,7 +183,8 @@ class Trainer:
         cast_for_master_weights(model, cfg.master_weights)
         optimizer = self._build_optimizer(model)
         warmup = max(cfg.warmup_steps, 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                      lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         # batch_size is the global batch; the booster shards it by data-parallel rank with a resumable sampler
         loader = torch.utils.data.DataLoader(train_data, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                                              shuffle=True, drop_last=True)

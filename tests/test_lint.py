@@ -1,0 +1,16 @@
+"""ruff (the rules in ruff.toml) finds nothing in the package, the entry scripts, the tests and the benchmarks."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (pip install -e .[dev])")
+def test_ruff_finds_nothing():
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"ruff check . found (fix them, or `ruff check --fix .`):\n{out.stdout}{out.stderr}"
