@@ -4,7 +4,7 @@
         --inception_weights pt_inception-2015-12-05-6726825d.pth
     python -m opendit.eval all --samples samples/samples.npz --ref ref_images/ --inception_weights ...   # FID, IS, P/R
     python -m opendit.eval is --samples samples/samples.npz --inception_weights ...
-    python -m opendit.eval pr --samples samples/samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
+    python -m opendit.eval pr --samples samples/samples.npz --ref VIRTUAL_imagenet256_labeled.npz \\
         --inception_weights ...
     python -m opendit.eval clip_score --samples samples/samples.npz --clip clip-vit-large-patch14/ --prompts_file p.txt
     python -m opendit.eval stats --images ref_images/ --inception_weights ... --out ref_stats.npz   # cache mu/sigma

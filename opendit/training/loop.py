@@ -281,12 +281,14 @@ class Trainer:
                     log.first_step(self.step)
                 else:
                     log.tick(self.step)
+                aside = time.perf_counter()  # not training: left out of the interval's rates
                 if self.validator is not None and self.step % cfg.val_every == 0:
                     log.log_validation(self.step, self.validator(self.model))
                 if self.previewer is not None and self.previewer.due(self.step):
                     self._preview(log)
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps or stop:
                     self.save()
+                log.pause(time.perf_counter() - aside)
                 if stop:
                     logger.info("stopped by %s after step %d; resume with --load auto (or --load %s)",
                                 self.guard.stop_signal, self.step, self.last_checkpoint)

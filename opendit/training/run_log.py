@@ -114,6 +114,11 @@ class RunLogger:
             self._last_output = now
         self._last_status = now
 
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` spent outside training steps (validation, previews, checkpoints) out of the interval's
+        steps/s, img/s and step time."""
+        self._t0 += seconds
+
     def log(self, step: int, metrics: dict, images: int, data_wait_s: float = 0.0, quiet: dict | None = None) -> None:
         """metrics: averaged over ranks and the interval since the last call; images: seen in that interval;
         data_wait_s: of the interval, the seconds spent waiting for the next batch; quiet: more metrics for the
