@@ -316,6 +316,7 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
     if ema is not None and not meta["has_ema"]:
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
     state = _app_state(model, optimizer, ema)
+    _check_same_model(path, state["model"])
     with _quiet_single_process():
         dcp_load(state, path, no_dist=not _dist())
     if optimizer is None:
@@ -331,6 +332,36 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
             raise ValueError(f"checkpoint {path!r} has no lr scheduler state; pass lr_scheduler=None")
         lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     return trainer["step"], _restore_rank_state(path, trainer, meta["world_size"])
+
+
+def _check_same_model(path: str, model_state: dict) -> None:
+    """A checkpoint of another model (other flags, e.g. --model or --image_size) is a ValueError naming the
+    differing weights and the flags the checkpoint was saved with, before any data is read."""
+    meta = SafeReader(path).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): tuple(m.size) for k, m in meta.items()
+             if k.startswith("model.") and hasattr(m, "size")}
+    wanted = {k: tuple(v.shape) for k, v in model_state.items() if torch.is_tensor(v)}
+    missing, unexpected = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+    shapes = [f"{k} {list(saved[k])} saved, {list(wanted[k])} here" for k in sorted(wanted.keys() & saved.keys())
+              if saved[k] != wanted[k]]
+    if not (missing or unexpected or shapes):
+        return
+    found = [f"{len(missing)} weights it lacks (e.g. {missing[0]})" if missing else "",
+             f"{len(unexpected)} this model lacks (e.g. {unexpected[0]})" if unexpected else "",
+             f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else ""]
+    saved_with = ""
+    try:
+        import yaml
+
+        with open(os.path.join(path, "config.yaml")) as f:
+            run = yaml.safe_load(f) or {}
+        saved_with = " (" + " ".join(f"--{k} {run[k]}" for k in ("model", "image_size", "num_classes",
+                                                                 "num_frames", "vae") if run.get(k) is not None) + ")"
+    except (OSError, ValueError, yaml.YAMLError):
+        pass
+    raise ValueError(f"checkpoint {path} holds another model than this run builds: {'; '.join(filter(None, found))}"
+                     f". Resume with the flags it was saved with{saved_with}, or start from its weights "
+                     f"with --init_weights")
 
 
 def _rank_file(path: str, rank: int) -> str:

@@ -253,3 +253,16 @@ def test_two_ranks_manifest_and_a_bad_shard_fail_on_every_rank(tmp_path):
     assert {"__0_0.distcp", "__1_0.distcp", "ranks/rank-00000.pt", "ranks/rank-00001.pt"} <= set(files)
     for rank, (_, error) in enumerate(results):
         assert error is not None and "__1_0.distcp" in error and "truncated" in error, (rank, error)
+
+
+def test_resuming_a_checkpoint_of_another_model_names_the_flags_it_was_saved_with(tmp_path):
+    from tests.test_train import run_trainer, tiny_cfg
+
+    trainer, _ = run_trainer(tiny_cfg(tmp_path, max_steps=2, ckpt_every=2))
+    ckpt = str(trainer.last_checkpoint)
+    with pytest.raises(ValueError, match=r"holds another model than this run builds: .*of another shape "
+                                         r"\(e\.g\. pos_embed .*--model DiT-debug --image_size 8 --num_classes 10"):
+        run_trainer(tiny_cfg(tmp_path, max_steps=4, image_size=16, load=ckpt))
+    with pytest.raises(ValueError, match=r"holds another model than this run builds: 100 weights it lacks \(e\.g\. "
+                                         r"blocks\.10\..*--vae none\), or start"):
+        run_trainer(tiny_cfg(tmp_path, max_steps=4, model="DiT-Ti/4", load=ckpt))

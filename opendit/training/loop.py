@@ -253,10 +253,11 @@ class Trainer:
             except RuntimeError as e:
                 if not is_timeout(e):
                     raise
+                resume = (f"the last checkpoint is {self.last_checkpoint}: resume with --load auto"
+                          if self.last_checkpoint else "no checkpoint was saved in this run")
                 raise PeerTimeoutError(
                     f"step {self.step + 1}: another rank did not answer within --dist_timeout {self.cfg.dist_timeout} "
-                    f"min (it died, hangs, or is far slower); the last checkpoint is {self.last_checkpoint}: "
-                    f"resume with --load auto") from e
+                    f"min (it died, hangs, or is far slower); {resume}") from e
 
     def _train(self) -> list[float]:
         cfg, losses = self.cfg, []
