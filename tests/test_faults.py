@@ -111,6 +111,20 @@ def test_sigterm_mid_run_saves_a_checkpoint_and_exits_0_then_load_auto_resumes(t
     assert (out / "000-DiT-debug" / f"config-from-step-{step:06d}.yaml").is_file()  # the first config is kept
 
 
+def test_save_on_signal_false_leaves_sigterm_to_end_the_run_at_once(tmp_path):
+    out = tmp_path / "out"
+    proc = _launch(["train.py", *DEBUG_ARGS, "--max_steps", "100000", "--save_on_signal", "false",
+                    "--outputs", str(out)])
+    log = out / "000-DiT-debug" / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, text = _finish(proc)
+    assert code == -signal.SIGTERM and "received SIGTERM" not in text, text[-3000:]
+    assert _checkpoints(out) == []
+
+
 def test_load_auto_without_a_checkpoint_starts_fresh(tmp_path):
     trainer, _ = run_trainer(tiny_cfg(tmp_path, max_steps=1, load="auto"))
     assert trainer.run_dir.name == "000-DiT-debug" and _checkpoints(tmp_path) == ["step-000001"]
