@@ -43,12 +43,38 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
+            store = _restart_safe_store(kw.get("timeout", datetime.timedelta(minutes=10)))
+            if store is not None:
+                kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None,
                                     **kw)
         else:
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1, device_id=device if cuda else None, **kw)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _restart_safe_store(timeout: datetime.timedelta):
+    """The job's store under torchrun, scoped to this attempt (None: let torch make it).
+
+    torchrun's agent keeps one store server for the whole job, and a restarted attempt finds the keys the
+    killed one left there: gloo's peer addresses, NCCL's unique id. A new rank can read a dead peer's address
+    and init_process_group fails ("Gloo connectFullMesh failed ... Connection refused"; PyTorch issue 135712;
+    4 of 4 restarts of a 2-rank job on torch 2.13). Keys under the restart count are fresh in every attempt.
+    The count is the same for every rank of one node; across nodes it is not (an agent counts only its own
+    node's failures), so a job of several nodes is told to turn the shared store off instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and int(os.environ.get("RANK", 0)) == 0:
+            logging.getLogger("opendit").warning(
+                "torchrun --max-restarts on several nodes: a restart may read the failed attempt's addresses from "
+                "torchrun's shared store and fail to connect; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
+                "node's environment before torchrun (PyTorch issue 135712)")
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"opendit/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def default_num_workers() -> int:

@@ -157,6 +157,16 @@ def test_a_rank_killed_mid_run_under_torchrun_restarts_resume_and_match_an_unint
 
 
 @pytest.mark.slow
+def test_a_restarted_attempt_joins_its_own_peers_not_the_killed_ones():
+    """torchrun's store keeps the killed attempt's peer addresses; without a per-attempt scope the restart reads
+    them and fails to connect (4 of 4 runs of this job on torch 2.13)."""
+    code, text = _finish(_launch(["--max-restarts", "1", str(ROOT / "tests" / "restart_worker.py")], nproc=2),
+                         timeout=120)
+    assert code == 0, text[-3000:]
+    assert "attempt 1 rank 0 joined" in text and "attempt 1 rank 1 joined" in text, text[-3000:]
+
+
+@pytest.mark.slow
 def test_a_hung_peer_turns_into_an_error_within_dist_timeout(tmp_path):
     start = time.time()
     code, text = _finish(_launch([FAULT_TRAIN, *DEBUG_ARGS, "--max_steps", "50", "--dist_timeout", "0.1",
