@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a short lease on one GPU (H200): at most 590 s of timeouts in all
-# (training 100 + sampling 50 + kernels 45 + offload 60 + tests 60 + train.py 50 + 30 + 30 + video 30 + 15 +
-# FLUX 120).
+# (training 100 + sampling 50 + kernels 40 + offload 50 + tests 60 + eval 15 + train.py 50 + 30 + 30 + video 30 +
+# 15 + FLUX 120).
 # Results land under $OUT (default ./gpu_results). Run from the repository root; no install (PYTHONPATH=.).
 #   OUT=/tmp/r bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -30,10 +30,10 @@ timeout "${SAMPLING_S:-50}" python3 benchmarks/sample_throughput.py --model DiT-
   --out "$OUT/sampling.md" 2>&1 | grep -v Warning | tail -14
 
 stamp "kernel benchmark"
-timeout "${KERNELS_S:-45}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30
+timeout "${KERNELS_S:-40}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30
 
 stamp "optimizer offload (DiT-XL/2, batch 32)"
-timeout "${OPTIM_S:-60}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \
+timeout "${OPTIM_S:-50}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \
   --out "$OUT/optim_offload.md" 2>&1 | grep -v Warning | tail -12
 
 stamp "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap)"
@@ -41,15 +41,21 @@ timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -x tests/test_
   tests/test_kernels_compile.py tests/test_perf.py tests/test_optim_fused.py tests/test_optim_multi_tensor.py \
   tests/test_block_swap.py -m gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 
-stamp "train.py on CUDA: the one-GPU fast path (ddp, bf16 weights + fp32_copy master, kernels, flash, compile), resume; zero2"
+stamp "opendit.eval on CUDA: the FID Inception (random weights) through the CLI, FID / IS / precision-recall"
+timeout "${EVAL_S:-15}" python3 -m pytest -q -p no:cacheprovider tests/test_eval.py \
+  -k "real_inception_architecture or identical_sets" 2>&1 | tail -6 | tee "$OUT/eval_tests.txt"
+
+stamp "train.py on CUDA: the one-GPU fast path (ddp, bf16 weights + fp32_copy master, kernels, flash, compile), resume; zero2 with validation and a preview"
 rm -rf /tmp/gpu_train /tmp/gpu_train_zero2
 FAST="--model DiT-B/4 --image_size 32 --batch_size 64 --log_every 2 --num_workers 0 --mixed_precision bf16 --master_weights fp32_copy"
 { timeout 50 python3 train.py $FAST --max_steps 6 --ckpt_every 3 --enable_modulate_kernel --enable_layernorm_kernel \
     --enable_flashattn --compile --outputs /tmp/gpu_train \
   && timeout 30 python3 train.py $FAST --max_steps 8 --outputs /tmp/gpu_train --load latest \
   && timeout 30 python3 train.py --model DiT-B/4 --image_size 32 --batch_size 64 --max_steps 4 --log_every 2 \
-    --num_workers 0 --plugin zero2 --mixed_precision bf16 --enable_modulate_kernel --outputs /tmp/gpu_train_zero2; } 2>&1 \
-  | grep -v Warning | tail -16 | tee "$OUT/train_smoke.txt"
+    --num_workers 0 --plugin zero2 --mixed_precision bf16 --enable_modulate_kernel --val_every 2 --val_samples 64 \
+    --sample_every 4 --preview_steps 10 --outputs /tmp/gpu_train_zero2 \
+  && ls /tmp/gpu_train_zero2/*/previews; } 2>&1 \
+  | grep -v Warning | tail -20 | tee "$OUT/train_smoke.txt"
 stamp "video on CUDA: Latte-S/2 on moving digits (bf16 weights + fp32_copy, kernels, flash), then sample.py"
 rm -rf /tmp/gpu_video
 { timeout 30 python3 train.py --model Latte-S/2 --dataset moving_digits --image_size 32 --num_frames 8 \
