@@ -43,7 +43,7 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
-            store = _restart_safe_store(kw.get("timeout", datetime.timedelta(minutes=10)))
+            store = _restart_safe_store(kw.get("timeout", dist.default_pg_timeout))
             if store is not None:
                 kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None,

@@ -12,14 +12,18 @@ from tests.test_train import run_trainer, save_tiny_vae
 from tests.test_video_family import cli, losses_of
 
 
-@pytest.fixture(scope="module")
-def encoders(tmp_path_factory):
-    """(T5 folder, CLIP folder): tiny random encoders with word-level tokenizers over the demo's words."""
+def tiny_text_encoders(root, words="digits"):
+    """(T5 folder, CLIP folder) under root: tiny random encoders with word-level tokenizers over `words` (the
+    captioned digits' words, or "all")."""
     from opendit.encoders.tiny_clip import save_tiny_clip
     from opendit.encoders.tiny_t5 import save_tiny_t5
 
-    root = tmp_path_factory.mktemp("flux_encoders")
-    return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words="digits")
+    return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words=words)
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    return tiny_text_encoders(tmp_path_factory.mktemp("flux_encoders"))
 
 
 def flux_cfg(outputs, encoders, **kw):

@@ -147,11 +147,9 @@ def test_video_preview_writes_strips_a_gif_and_an_mp4(tmp_path, one_thread):
 
 @pytest.fixture(scope="module")
 def text_encoders(tmp_path_factory):
-    from opendit.encoders.tiny_clip import save_tiny_clip
-    from opendit.encoders.tiny_t5 import save_tiny_t5
+    from tests.test_flux_family import tiny_text_encoders
 
-    root = tmp_path_factory.mktemp("preview_encoders")
-    return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words="all")
+    return tiny_text_encoders(tmp_path_factory.mktemp("preview_encoders"), words="all")
 
 
 def test_flux_preview_samples_the_demo_prompts(tmp_path, text_encoders, one_thread):

@@ -92,27 +92,18 @@ def test_two_ranks_score_the_same_validation_loss_as_one(tmp_path):
     assert two == pytest.approx(one, rel=1e-6) and two_small == pytest.approx(one, rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def flux_encoders(tmp_path_factory):
-    from opendit.encoders.tiny_clip import save_tiny_clip
-    from opendit.encoders.tiny_t5 import save_tiny_t5
-
-    root = tmp_path_factory.mktemp("val_encoders")
-    return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words="digits")
-
-
 @pytest.mark.parametrize("family", ["video", "flux"])
-def test_video_and_flux_report_a_fixed_validation_loss(tmp_path, family, request):
+def test_video_and_flux_report_a_fixed_validation_loss(tmp_path, family):
     """The other families' objectives take fixed noise levels and noise too: the number depends on the weights
     only, and FLUX scores the captions without text dropout."""
-    from tests.test_flux_family import flux_cfg
+    from tests.test_flux_family import flux_cfg, tiny_text_encoders
     from tests.test_video_family import video_cfg
 
     common = dict(max_steps=2, val_every=1, val_samples=8)
     if family == "video":
         cfg = video_cfg(tmp_path, **common)
     else:  # every caption dropped in training: validation must still score the captions as given
-        cfg = flux_cfg(tmp_path, request.getfixturevalue("flux_encoders"), text_dropout_prob=1.0, **common)
+        cfg = flux_cfg(tmp_path, tiny_text_encoders(tmp_path / "encoders"), text_dropout_prob=1.0, **common)
     trainer, _ = run_trainer(cfg)
     val = _records(trainer.run_dir, "val")
     assert [r["step"] for r in val] == [1, 2] and all(torch.isfinite(torch.tensor(r["val_loss"])) for r in val)
