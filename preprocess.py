@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.cli import parse_config, run_entry, say, setup_finished
-from opendit.data.latents import CACHE_DTYPES, CACHE_VERSION, MANIFEST, PARTIAL_SUFFIX, TEXT_ARRAYS, write_shard
+from opendit.data.latents import (ARRAYS, CACHE_DTYPES, CACHE_VERSION, FLIP_ARRAYS, MANIFEST, PARTIAL_SUFFIX,
+                                  write_shard)
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
 from opendit.families import get_family
 
@@ -62,7 +63,7 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
             shards.append({**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
-                           "captions": "caption" in arrays, "embeddings": [k for k in TEXT_ARRAYS if k in arrays]})
+                           "captions": "caption" in arrays, "embeddings": [k for k in arrays if k not in (*ARRAYS, *FLIP_ARRAYS, "label", "caption")]})
         buf.clear()
 
     for *item, ok in loader:
@@ -101,8 +102,11 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
         raise ValueError(f"--dtype {cfg.dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
     if os.path.exists(out) and not cfg.overwrite:
         raise FileExistsError(f"{out!r} already exists; pass --overwrite to rebuild it, or choose another --out")
-    if cfg.vae is None or cfg.vae.lower() == "none":
-        raise ValueError("--vae is required (a diffusers AutoencoderKL folder or hub id); caching needs a VAE")
+    spec = family.datasets.get(cfg.dataset)
+    if spec is None or spec.cache:
+        sources = ", ".join(name for name, s in family.datasets.items() if not s.cache)
+        what = "is already a cache" if spec is not None else f"is not a dataset of the {family.name} family"
+        raise ValueError(f"--dataset {cfg.dataset} {what}; encode one of: {sources}")
     encoders = family.cache_encoders(cfg, info.device)
     dataset = family.cache_source(cfg, encoders)
     partial = out + PARTIAL_SUFFIX
@@ -138,11 +142,10 @@ def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
     if not shapes:
         raise ValueError(f"no item of --dataset {cfg.dataset} could be read; nothing to cache")
     all_shards = [s for rank_shards, _, _ in gathered for s in rank_shards]
-    vae_scale = family.default_vae_scale if cfg.vae_scale is None else cfg.vae_scale
     manifest = dict(
         version=CACHE_VERSION, family=family.name,
         stores="VAE posterior mean and std, unscaled (latent = (mean + std * noise) * vae_scale)",
-        vae=str(cfg.vae), vae_scale=float(vae_scale), image_size=int(cfg.image_size), latent_shape=shapes[0],
+        vae=str(cfg.vae), vae_scale=float(cfg.vae_scale), image_size=int(cfg.image_size), latent_shape=shapes[0],
         num_classes=int(getattr(dataset, "num_classes", 0)),
         classes=list(getattr(dataset, "classes", [str(c) for c in range(dataset.num_classes)])),
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),

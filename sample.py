@@ -1,23 +1,25 @@
-"""Sample from a trained model: an EMA export, a training checkpoint folder, an official DiT .pt or a diffusers
-DiT folder. The checkpoint's model family decides the noise, the conditioning, the sampler and the outputs
-(image DiT: images/NNNNNN.png, grid.png, and with --npz samples.npz).
+"""Sample from a trained model: an EMA export, a training checkpoint folder, or a checkpoint a model family
+knows (an official DiT or Latte .pt, a diffusers DiT folder, an official flux1-dev / flux1-schnell .safetensors).
+The checkpoint's model family decides the noise, the conditioning, the sampler and the outputs (images:
+images/NNNNNN.png, grid.png; video: videos/NNNNNN.mp4, strips/, grid.gif; with --npz samples.npz).
 
     python sample.py --ckpt latest --num_samples 20                       # newest checkpoint under ./outputs
     python sample.py --ckpt outputs/000-DiT-Ti-4/checkpoints/step-002000 --cfg_scale 2 --sampler ddim \\
         --num_sampling_steps 50
     torchrun --nproc_per_node 4 sample.py --ckpt DiT-XL-2-256x256.pt --image_size 256 --cfg_scale 4 --npz
+    python sample.py --ckpt latest --prompt "a handwritten seven"         # a model trained on captions
 """
 import logging
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from opendit import config as cfglib
-from opendit.cli import setup_finished
+from opendit.booster.mesh import build_mesh, dp_coordinates, mesh_shape
 from opendit.booster.precision import set_tf32
+from opendit.cli import setup_finished
 from opendit.distributed import cleanup, exit_process, init_distributed
-from opendit.inference import global_batches, load_model
+from opendit.inference import complete_sample_config, global_batches, load_model
 from opendit.parallel import validate_sp
 from opendit.training.run_log import setup_logging
 
@@ -32,24 +34,20 @@ def main(cfg: cfglib.SampleConfig) -> None:
     set_tf32(info.device)
     loaded = load_model(cfg, info.device)
     family, run = loaded.family, loaded.cfg
-    cfg = family.sample_defaults(cfg, run)
+    try:
+        cfg = complete_sample_config(family, cfg, run)
+        conditions = family.conditions(cfg, run)
+    except ValueError as e:
+        raise SystemExit(f"sample.py: {e}") from None
     dp_rank, dp_size, writes = info.rank, info.world_size, True
     if cfg.sequence_parallel_size > 1:  # ranks of one SP group share each batch and split its tokens
         spec = family.models[run.model]
         kind = validate_sp(info.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
                            spec.num_heads, kinds=spec.sp_kinds)
-        mesh = init_device_mesh(info.device.type, (info.world_size // cfg.sequence_parallel_size,
-                                                   cfg.sequence_parallel_size), mesh_dim_names=("dp", "sp"))
+        mesh = build_mesh(info.device, mesh_shape("ddp", info.world_size, sp_size=cfg.sequence_parallel_size))
         loaded.model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
-        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        dp_size, dp_rank = dp_coordinates(mesh)
         writes = mesh["sp"].get_local_rank() == 0
-    if cfg.sampler not in family.samplers:
-        raise SystemExit(f"sample.py: --sampler {cfg.sampler} does not apply to {run.model}; "
-                         f"use one of {', '.join(family.samplers)}")
-    try:
-        conditions = family.conditions(cfg, run)
-    except ValueError as e:
-        raise SystemExit(f"sample.py: {e}") from None
     sampler = family.make_sampler(cfg, run)
     sampler.progress = info.rank == 0  # a progress bar over each batch's denoising steps
     num = cfg.num_samples or len(conditions)

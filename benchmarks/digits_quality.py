@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import DigitsDataset  # noqa: E402
-from opendit.inference import load_model  # noqa: E402
+from opendit.inference import complete_sample_config, load_model  # noqa: E402
 
 
 def train_classifier(image_size: int):
@@ -69,6 +69,7 @@ def main():
     device = torch.device("cpu")
     loaded = load_model(sample_cfg, device)
     family = loaded.family
+    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
     sampler, labels = family.make_sampler(sample_cfg, loaded.cfg), list(range(10))
     n = 10 * a.samples_per_class
     t1 = time.time()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.digits_quality import train_classifier  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.captions import DIGIT_WORDS  # noqa: E402
-from opendit.inference import load_model  # noqa: E402
+from opendit.inference import complete_sample_config, load_model  # noqa: E402
 
 
 def encoders(folder: Path) -> tuple[str, str]:
@@ -75,6 +75,7 @@ def main():
     device = torch.device("cpu")
     loaded = load_model(sample_cfg, device)
     family = loaded.family
+    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
     sampler = family.make_sampler(sample_cfg, loaded.cfg)
     n = 10 * a.samples_per_digit
     t1 = time.time()

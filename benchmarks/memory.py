@@ -30,7 +30,7 @@ from opendit.distributed import local_tensor, spawn_gloo  # noqa: E402
 from opendit.booster import parallelize as par  # noqa: E402
 from opendit.booster.precision import PRECISIONS, compute_dtype  # noqa: E402
 from opendit.ema import ShardedEMA  # noqa: E402
-from opendit.models import build_model  # noqa: E402
+from opendit.families import build_model  # noqa: E402
 
 GiB = 2 ** 30
 COLUMNS = ("params", "grads", "optim", "ema")

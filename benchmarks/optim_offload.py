@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from opendit.models import build_model  # noqa: E402
+from opendit.families import build_model  # noqa: E402
 from opendit.optim import build_optimizer  # noqa: E402
 
 CONFIGS = {  # name -> (param dtype, build_optimizer kwargs)

@@ -94,7 +94,7 @@ def error_table(steps, cache=None):
 
 # ---- bytes table -------------------------------------------------------------------------------
 def dit_xl2_params():
-    from opendit.models import build_model
+    from opendit.families import build_model
     with torch.device("meta"):
         model = build_model("DiT-XL/2")
     return [p.shape for p in model.parameters() if p.requires_grad]

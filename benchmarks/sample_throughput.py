@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchmarks/, beside this file)
 from opendit.booster.parallelize import apply_compile  # noqa: E402
 from opendit.booster.precision import set_tf32  # noqa: E402
-from opendit.config import SampleConfig  # noqa: E402
+from opendit.config import SampleConfig, TrainConfig  # noqa: E402
 from opendit.diffusion import SAMPLERS  # noqa: E402
 from opendit.families import LoadedModel, all_models, check_model_contract, family_of  # noqa: E402
-from opendit.inference import speed_up  # noqa: E402
+from opendit.inference import complete_sample_config, speed_up  # noqa: E402
 from opendit.kernels import configure_kernels, kernel_status  # noqa: E402
 
 # key -> (label, settings): weights = speed_up's mixed_precision; autocast = bf16 autocast around the sampler;
@@ -88,8 +88,9 @@ def setup(args, device):
     vae "none": the model's own space is the sampled one, so image_size here is the latent side."""
     family = family_of(args.model)
     latent = args.image_size // 8
-    run = family.sampling_config({"model": args.model, "image_size": latent, "num_classes": args.num_classes,
-                                  "vae": "none", "dataset": "folder"}, {})
+    settings = {"model": args.model, "image_size": latent, "num_classes": args.num_classes, "vae": "none",
+                "dataset": "folder"}
+    run = family.sampling_config(TrainConfig(**settings), given=set(settings))
     encoders = family.load_encoders(run, device, training=False)
     try:
         shape = family.latent_shape(run, encoders, data_channels=4)  # SD-VAE latents: (4, 32, 32) at 256 px
@@ -138,8 +139,9 @@ def run_variant(spec, args, device, ctx, batch):
     family, run, encoders, shape = ctx
     model = build(family, run, shape, spec, args, device)
     loaded = LoadedModel(family, model, encoders, run, shape, "random")
-    timed = SampleConfig(cfg_scale=args.cfg_scale, num_sampling_steps=args.steps, sampler=args.sampler,
-                         seed=args.seed, mixed_precision=spec["weights"])
+    timed = complete_sample_config(family, SampleConfig(cfg_scale=args.cfg_scale, num_sampling_steps=args.steps,
+                                                        sampler=args.sampler, seed=args.seed,
+                                                        mixed_precision=spec["weights"]), run)
     labels = list(range(run.num_classes))  # sample i gets class i
     # the latents stand for SD-VAE ones, which DiT's sampler never clamps (only pixel-space runs clamp x_0)
     latent_run = dataclasses.replace(run, vae="stabilityai/sd-vae-ft-ema")

@@ -18,7 +18,7 @@ Variants (keys for --variants):
                --enable_flashattn / bf16 weights + fp32 master (replaces autocast) / per-block compile
 Each variant builds a fresh model, trains `--warmup` steps (compilation happens here; its time is the
 "warmup s" column), then `--steps` timed steps on one fixed batch of synthetic latents (no VAE, no data
-loading). Training FLOPs count 3 x 2 x forward MACs (opendit.perf); MFU is against a bf16 matmul measured
+loading). Training FLOPs count 3 x 2 x forward MACs (opendit.families.dit); MFU is against a bf16 matmul measured
 in the same run. An OOM or any other failure becomes a row, not a crash; with --time_budget, variants
 that would start after the budget are listed as skipped. The table is rewritten to --out after every row.
 """
@@ -39,10 +39,10 @@ from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchma
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
-from opendit.families.dit import DIT_MODELS  # noqa: E402
-from opendit.models import build_model  # noqa: E402
+from opendit.families.dit import DIT_MODELS, dit_train_flops_per_image  # noqa: E402
+from opendit.families import build_model  # noqa: E402
 from opendit.training.fast_step import TrainStep  # noqa: E402
-from opendit.training.objective import DiffusionObjective  # noqa: E402
+from opendit.diffusion.objective import DiffusionObjective  # noqa: E402
 
 # key -> (label, TrainStep / model settings); run in this order (most important first, for --time_budget)
 _C0 = dict(precision="autocast_bf16")
@@ -108,7 +108,7 @@ def run_variant(spec, args, device, latent, batch, profile_title=None):
     model.set_kernels(modulate=spec.get("modulate", False), layernorm=spec.get("layernorm", False),
                       attn_backend=backend)
     model.train()
-    step = TrainStep(model, DiffusionObjective().loss, precision=spec["precision"], lr=args.lr,
+    step = TrainStep(model, DiffusionObjective(), precision=spec["precision"], lr=args.lr,
                      fused_adamw=spec.get("fused_adamw", True), compile=spec.get("compile"),
                      compile_backend=args.compile_backend, compile_mode=spec.get("compile_mode", args.compile_mode))
     g = torch.Generator(device).manual_seed(args.seed)
@@ -158,7 +158,7 @@ def main(argv=None):
     if args.image_size % 8:
         raise SystemExit(f"--image_size {args.image_size} must be a multiple of 8 (the VAE's downsampling)")
     latent = args.image_size // 8
-    flops = perf.dit_train_flops_per_image(args.model, args.image_size)
+    flops = dit_train_flops_per_image(args.model, args.image_size)
     if args.peak_tflops:
         peak, peak_src = args.peak_tflops * 1e12, "given"
     else:

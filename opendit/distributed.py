@@ -108,6 +108,30 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def in_process_group() -> bool:
+    """True inside an initialised process group (train.py and sample.py always make one; a library call
+    from plain Python may run without)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def current_rank() -> int:
+    return dist.get_rank() if in_process_group() else 0
+
+
+def barrier() -> None:
+    if in_process_group():
+        dist.barrier()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's obj, in rank order ([obj] without a process group)."""
+    if not in_process_group():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank src's obj on every rank."""
     box = [obj]

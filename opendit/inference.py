@@ -1,28 +1,40 @@
 """Sampling from a trained model: find the checkpoint, the settings it was trained with and its model family,
 load the model, and generate by fixed global indices so that N processes produce exactly the samples one
-process would. Everything model-specific (noise shape, conditioning, sampler, outputs) is the family's."""
+process would. Everything model-specific (noise shape, conditioning, sampler, outputs) is the family's; so are
+checkpoints that are not opendit's own (an official release, a diffusers folder), which a family recognises.
+"""
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from opendit import config as cfglib
 from opendit.booster.parallelize import apply_compile
 from opendit.booster.precision import cast_forward_io, compute_dtype
-from opendit.checkpoint import (CheckpointCorruptError, checkpoint_kind, latest_run_checkpoint, load_into_meta_model,
-                                load_weights)
-from opendit.safe_load import safe_load
+from opendit.checkpoint import CheckpointCorruptError, checkpoint_kind, latest_run_checkpoint, load_into_meta_model
+from opendit.checkpoint.layout import is_step_dir
+from opendit.checkpoint.safe_read import safe_load
+from opendit.checkpoint.weights import ACCEPTED
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
 
 logger = logging.getLogger("opendit")
 
-# sample.py flags that override what the checkpoint was trained with
-OVERRIDES = ("model", "image_size", "num_classes", "vae", "clip", "t5", "learn_sigma")
-
-
 _NO_SETTINGS = "or delete it and pass --model, --image_size and --num_classes"
+
+
+def checkpoint_overrides(cfg) -> dict:
+    """sample.py's flags that replace what the checkpoint was trained with (fields marked from_checkpoint)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.metadata.get("from_checkpoint") and getattr(cfg, f.name) is not None}
+
+
+def accepted_checkpoints() -> str:
+    """What --ckpt takes, in words: opendit's own checkpoints and every family's foreign formats."""
+    return ", ".join([ACCEPTED, *(f for family in FAMILIES.values() for f in family.checkpoint_formats)])
 
 
 def _train_config(path: Path) -> dict:
@@ -64,10 +76,9 @@ def _opendit_weights(path: Path) -> tuple[Path, dict]:
     return path, (_sidecar_config(sidecar) if sidecar.is_file() else {})
 
 
-def _recognize(path: Path, model: str | None) -> tuple[dict, dict | None]:
-    """A checkpoint without an opendit config: the first family (the named model's first) that knows it."""
-    from safetensors import SafetensorError
-
+def _recognize(path: Path, model: str | None) -> tuple[dict, dict | None] | None:
+    """A checkpoint without an opendit config: (settings, state or None) from the first family (the named
+    model's first) that knows it, or None."""
     families = list(FAMILIES.values())
     if model is not None:
         families.insert(0, family_of(model))
@@ -79,37 +90,62 @@ def _recognize(path: Path, model: str | None) -> tuple[dict, dict | None]:
                                          f"corrupt; export or download it again") from None
         if found is not None:
             return found
-    return {}, None
+    return None
 
 
-def load_model(cfg: cfglib.SampleConfig, device) -> LoadedModel:
+def read_checkpoint(path: Path, model: str | None) -> tuple[str, dict, dict | None]:
+    """(where the weights are, the training settings, the state dict when reading the settings loaded it)."""
+    if path.is_dir() and not is_step_dir(str(path)):  # a folder a family may know (e.g. a diffusers folder)
+        found = _recognize(path, model)
+        if found is not None:
+            return str(path), *found
+    checkpoint_kind(str(path), accepted_checkpoints())  # a missing path, an empty or foreign file, a stray folder
+    weights, trained = _opendit_weights(path)
+    if trained:
+        return str(weights), trained, None
+    found = _recognize(path, model)
+    return (str(weights), *found) if found is not None else (str(weights), {}, None)
+
+
+def load_model(cfg, device) -> LoadedModel:
     """The checkpoint of `cfg.ckpt` ("latest": newest under cfg.outputs) with its family, encoders and the
     run's settings (flags win over the checkpoint's training config, which wins over a family's defaults)."""
     path = Path(latest_run_checkpoint(cfg.outputs) if cfg.ckpt == "latest" else cfg.ckpt)
-    checkpoint_kind(str(path))  # a missing path, an empty or foreign file, a folder that holds no checkpoint
-    flags = {k: getattr(cfg, k) for k in OVERRIDES if getattr(cfg, k) is not None}
-    weights, trained = _opendit_weights(path)
-    state = None
-    if not trained:
-        trained, state = _recognize(path, flags.get("model"))
-    name = flags.get("model") or trained.get("model")
+    flags = checkpoint_overrides(cfg)
+    weights, trained, state = read_checkpoint(path, flags.get("model"))
+    settings = {**trained, **flags}
+    name = settings.get("model")
     if name is None:
         raise ValueError(f"cannot tell the model of {path}: no training config beside it and no model family "
                          f"recognises its weights; pass --model (and --image_size, --num_classes)")
     family = family_of(name)
-    run = family.sampling_config(trained, flags)
+    known = {f.name for f in dataclasses.fields(cfglib.TrainConfig)}
+    run = family.sampling_config(cfglib.TrainConfig(**{k: v for k, v in settings.items() if k in known}),
+                                 given=set(settings))
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
     with torch.device("meta"):  # the weights come from the file: no random init (minutes for 12B parameters)
         model = family.build_model(run, shape)
     check_model_contract(model, name)
-    load_into_meta_model(model, state if state is not None else load_weights(str(weights)), f"--ckpt {path}",
+    load_into_meta_model(model, state if state is not None else family.load_weights(weights), f"--ckpt {path}",
                          keep_dtype=cfg.mixed_precision == "bf16")
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
     logger.info("loaded %s (%s, family %s, input %s, vae %s)", weights, name, family.name,
                 "x".join(map(str, shape)), run.vae)
-    return LoadedModel(family, model, encoders, run, shape, str(weights))
+    return LoadedModel(family, model, encoders, run, shape, weights)
+
+
+def complete_sample_config(family, sample_cfg, cfg):
+    """The one place the family's sampling defaults (sampler, steps, guidance scale) fill what sample_cfg left
+    out (None); a sampler the family does not have is a ValueError naming the ones it has."""
+    defaults = family.sample_defaults(sample_cfg, cfg)
+    sample_cfg = dataclasses.replace(sample_cfg, **{k: v for k, v in defaults.items()
+                                                    if getattr(sample_cfg, k) is None})
+    if sample_cfg.sampler not in family.samplers:
+        raise ValueError(f"--sampler {sample_cfg.sampler} does not apply to {cfg.model}; use one of "
+                         f"{', '.join(family.samplers)}")
+    return sample_cfg
 
 
 def speed_up(model, mixed_precision: str = "fp32", compile: bool = False):

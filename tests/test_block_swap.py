@@ -122,7 +122,7 @@ def test_training_with_swap_equals_without(fused):
 
 
 def test_dit_blocks_swap():
-    from opendit.models import build_model
+    from opendit.families import build_model
     torch.manual_seed(0)
     ref = build_model("DiT-debug", input_size=8, num_classes=10)
     for p in ref.parameters():  # adaLN-zero starts every block as the identity; make them do something

@@ -145,7 +145,7 @@ def test_fp16_overflow_step_is_skipped_and_counted(world2, plugin):
 
 
 def test_memory_benchmark_counts_the_sharded_tensors(world2):
-    from opendit.models import build_model
+    from opendit.families import build_model
     model = build_model("DiT-debug", input_size=8, in_channels=3, num_classes=10)  # as the benchmark builds it
     params = list(model.parameters())
     full = sum(p.numel() * 4 for p in params)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from opendit.booster import Booster, build_plugin
-from opendit.models import build_model
+from opendit.families import build_model
 
 GLOBAL_BATCH = 8
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from opendit.data import (DATASETS, DIGIT_CAPTION_WORDS, DIGIT_WORDS, CaptionedDigitsDataset, CaptionedImageDataset,
-                          DigitsDataset, build_dataloader, build_dataset, digit_caption)
+from opendit.data import (CAPTIONED_DIGITS, CAPTIONS, DIGIT_CAPTION_WORDS, DIGIT_WORDS, CaptionedDigitsDataset,
+                          CaptionedImageDataset, DigitsDataset, build_dataloader, digit_caption)
+from opendit.families import all_datasets
 from opendit.data.captions import DIGIT_TEMPLATES
 
 
@@ -92,7 +93,7 @@ def test_jsonl_listing(tmp_path):
     lines = [json.dumps({"file_name": "imgs/one.png", "text": "a dog"}), "",
              json.dumps({"path": "two.jpg", "caption": "a bird", "extra": 1})]
     (folder / "meta.jsonl").write_text("\n".join(lines) + "\n")
-    ds = build_dataset("captions", str(folder / "meta.jsonl"), 8, channels=1)
+    ds = CAPTIONS(str(folder / "meta.jsonl"), 8, channels=1)
     assert isinstance(ds, CaptionedImageDataset) and ds.captions == ["a dog", "a bird"]
     assert ds[0][0].shape == (1, 8, 8)
 
@@ -129,7 +130,7 @@ def test_clear_errors(tmp_path):
     with pytest.raises(RuntimeError, match=r"all 1 captioned images of .*corrupt.* are unreadable"):
         CaptionedImageDataset(str(corrupt), 8)[0]
     with pytest.raises(ValueError, match=r"'captions' needs a data path.*--data_path"):
-        build_dataset("captions", image_size=8)
+        CAPTIONS(image_size=8)
 
 
 # ---- the captioned digits demo --------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_digit_caption():
 
 
 def test_captioned_digits():
-    ds = build_dataset("captioned_digits", image_size=8)
+    ds = CAPTIONED_DIGITS(image_size=8)
     assert isinstance(ds, CaptionedDigitsDataset) and len(ds) == 1797 and ds.num_classes == 0 and ds.channels == 1
     plain = DigitsDataset(8)
     assert np.array_equal(ds.labels, plain._labels) and ds.labels.dtype == np.int64
@@ -162,8 +163,8 @@ def test_captioned_digits():
 
 def test_registered_and_batched():
     assert {"captioned_digits", "captions", "digits", "folder", "latents", "video_csv", "moving_digits"} <= \
-        set(DATASETS)
-    loader = build_dataloader(build_dataset("captioned_digits", image_size=8), 4, 1, 0, seed=0)
+        set(all_datasets())
+    loader = build_dataloader(CAPTIONED_DIGITS(image_size=8), 4, 1, 0, seed=0)
     x, captions = next(iter(loader))
     # default collate: the captions of a batch come as a sequence (a tuple) of str
     assert x.shape == (4, 1, 8, 8) and len(captions) == 4 and all(isinstance(c, str) for c in captions)

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from opendit import checkpoint as ckpt
-from opendit.checkpoint import (export_ema, export_weights, list_checkpoints, load_checkpoint, load_weights,
-                                resolve_checkpoint, save_checkpoint)
+from opendit.checkpoint import (export_ema, export_weights, load_checkpoint, load_weights, resolve_checkpoint,
+                                save_checkpoint)
+from opendit.checkpoint import save as ckpt_save
+from opendit.checkpoint.discovery import list_checkpoints
 from opendit.ema import ShardedEMA
 from tests.distributed import run_distributed
 from tests.test_ema import full_params, tiny_dit, wrap
@@ -195,13 +196,13 @@ def test_save_that_raises_midway_keeps_previous_latest(tmp_path, monkeypatch):
     model = tiny_dit(seed=0)
     save_checkpoint(str(tmp_path), 1, model)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-    real_save = ckpt.dcp.save
+    real_save = ckpt_save.dcp.save
 
     def failing_save(state, checkpoint_id, **kw):
         real_save(state, checkpoint_id=checkpoint_id, **kw)  # files written, then the "disk fills up"
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.dcp, "save", failing_save)
+    monkeypatch.setattr(ckpt_save.dcp, "save", failing_save)
     with torch.no_grad():
         model.pos_embed.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
@@ -212,7 +213,7 @@ def test_save_that_raises_midway_keeps_previous_latest(tmp_path, monkeypatch):
     fresh = tiny_dit(seed=3)
     load_checkpoint(latest, fresh)
     assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters())
-    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    monkeypatch.setattr(ckpt_save.dcp, "save", real_save)
     save_checkpoint(str(tmp_path), 3, model)  # the next save clears the leftover
     assert sorted(os.listdir(tmp_path)) == ["step-000001", "step-000003"]
 
@@ -231,7 +232,7 @@ def _save_then_die(root):
             os._exit(17)
         real_replace(src, dst)
 
-    ckpt.os.replace = die_on_rename
+    ckpt_save.os.replace = die_on_rename
     save_checkpoint(root, 2, model)
 
 

@@ -11,7 +11,8 @@ import zlib
 import pytest
 import torch
 
-from opendit import checkpoint_integrity as integrity
+from opendit.checkpoint import manifest as integrity
+from opendit.checkpoint import save as ckpt_save
 from opendit.checkpoint import (CheckpointCorruptError, find_resume_checkpoint, latest_run_checkpoint,
                                 load_checkpoint, load_weights, resolve_checkpoint, save_checkpoint)
 from tests.distributed import run_distributed
@@ -58,7 +59,7 @@ def test_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
         data = open(os.path.join(step, name), "rb").read()
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
     # the DCP files are checksummed by the rank that wrote them: the writer reports them
-    writer = integrity.RecordingWriter(str(tmp_path / "w"))
+    writer = ckpt_save.RecordingWriter(str(tmp_path / "w"))
     import torch.distributed.checkpoint as dcp
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"x": torch.ones(3)}, storage_writer=writer, no_dist=True)
@@ -131,7 +132,7 @@ def test_find_resume_checkpoint_for_load_auto(tmp_path):
 def test_a_checkpoint_without_manifest_still_loads_unverified(tmp_path, caplog):
     run, paths = saved_run(tmp_path)
     os.remove(os.path.join(paths[1], "manifest.json"))  # as saved before manifests existed
-    with caplog.at_level(logging.INFO, logger="opendit.checkpoint_integrity"):
+    with caplog.at_level(logging.INFO, logger="opendit.checkpoint.manifest"):
         assert resolve_checkpoint("latest", str(tmp_path)) == paths[1]
         fresh = make_run("none", seed=3)
         step, _ = load_checkpoint(paths[1], *fresh)
@@ -213,13 +214,13 @@ def test_a_save_error_names_the_folder_and_the_cause(tmp_path, monkeypatch):
     RuntimeError from its zip writer."""
     model = tiny_dit()
     save_checkpoint(str(tmp_path), 1, model)
-    real = integrity.write_bytes
+    real = ckpt_save.write_bytes
 
     def no_space(path, data):
         if path.endswith("trainer.pt"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return real(path, data)
-    monkeypatch.setattr(integrity, "write_bytes", no_space)
+    monkeypatch.setattr(ckpt_save, "write_bytes", no_space)
     with pytest.raises(OSError, match=r"step-000002 failed on rank 0: No space left on device \(.*trainer.pt\): "
                                       r"disk full or file size limit") as e:
         save_checkpoint(str(tmp_path), 2, model)

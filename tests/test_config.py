@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from opendit import config as cfglib
+from opendit.options import help_of
 from tests.test_train import ROOT
 
 
@@ -19,10 +20,12 @@ def test_help_shows_sections_help_defaults_and_choices(script):
     cls = {"train.py": cfglib.TrainConfig, "sample.py": cfglib.SampleConfig,
            "preprocess.py": cfglib.PreprocessConfig}[script]
     for f in dataclasses.fields(cls):  # every flag explains itself
-        assert f.metadata["help"], f"--{f.name} has no help text"
-        assert " ".join(f.metadata["help"].split())[:30] in text, f"--{f.name}'s help is not shown"
+        assert help_of(f), f"--{f.name} has no help text"
+        assert " ".join(help_of(f).split())[:30] in text, f"--{f.name}'s help is not shown"
+    builtin = {"dit", "video", "flux"}  # a test may have registered more families in this process
     for title in cls.SECTIONS.values():
-        assert f"{title}:" in out.stdout
+        if not title.endswith("family options") or set(title.removesuffix(" family options").split(" and ")) <= builtin:
+            assert f"{title}:" in out.stdout
     if script == "train.py":
         assert "--plugin {ddp,zero2,zero3,fsdp,hsdp,gemini}" in text and "(default: ddp)" in text
         assert "one of: DiT-Ti/2" in text and "DiT-XL/2" in text and "--mixed_precision {fp32,bf16,fp16}" in text

@@ -13,6 +13,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 
 from opendit.checkpoint import load_weights
+from opendit.families import get_family
 from opendit.models import layers
 from opendit.models.convert_diffusers import dit_from_diffusers, dit_to_diffusers, load_diffusers_dit
 from opendit.models.dit import DiT
@@ -114,18 +115,20 @@ def test_load_weights_reads_model_and_pipeline_folders(tmp_path):
     peer.save_pretrained(tmp_path / "pipe" / "transformer")  # config.json + diffusion_pytorch_model.safetensors
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
     x, t, y = inputs()
+    dit = get_family("dit")  # the family that owns the format reads it; generic checkpoint code does not
     for folder in (tmp_path / "pipe" / "transformer", tmp_path / "pipe"):
-        loaded = load_weights(str(folder))
+        loaded = dit.load_weights(str(folder))
         fresh = ours_model(seed=5)
         fresh.load_state_dict(loaded, strict=True)
         torch.testing.assert_close(fresh(x, t, y), ours(x, t, y), atol=0, rtol=0)
-    spec, sd = load_diffusers_dit(tmp_path / "pipe")
-    assert spec == {"name": "DiT-debug", "kwargs": {
-        "input_size": 8, "patch_size": 2, "in_channels": 4, "hidden_size": 64, "depth": 2, "num_heads": 4,
-        "num_classes": 10, "learn_sigma": True, "mlp_ratio": 4.0}}
-    DiT(**spec["kwargs"]).load_state_dict(sd, strict=True)
-    with pytest.raises(ValueError, match="key='ema' does not apply"):
-        load_weights(str(tmp_path / "pipe"), key="ema")
+        with pytest.raises(ValueError, match="is a folder but not a checkpoint"):
+            load_weights(str(folder))
+    kwargs, sd = load_diffusers_dit(tmp_path / "pipe")
+    assert kwargs == {"input_size": 8, "patch_size": 2, "in_channels": 4, "hidden_size": 64, "depth": 2,
+                      "num_heads": 4, "num_classes": 10, "learn_sigma": True, "mlp_ratio": 4.0}
+    DiT(**kwargs).load_state_dict(sd, strict=True)
+    settings, _ = dit.recognize_checkpoint(str(tmp_path / "pipe"))
+    assert (settings["model"], settings["image_size"], settings["num_classes"]) == ("DiT-debug", 64, 10)
 
 
 def test_bad_folders_get_clear_errors(tmp_path):
@@ -146,7 +149,7 @@ def test_bad_folders_get_clear_errors(tmp_path):
     (tmp_path / "pipe_no_transformer").mkdir()
     (tmp_path / "pipe_no_transformer" / "model_index.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="transformer/config.json"):
-        load_weights(str(tmp_path / "pipe_no_transformer"))
+        get_family("dit").load_weights(str(tmp_path / "pipe_no_transformer"))
 
 
 @torch.no_grad()

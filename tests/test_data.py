@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from opendit.data import (DigitsDataset, ImageFolderDataset, ResumableDistributedSampler, build_dataloader,
-                          build_dataset, center_crop_arr, digits_split)
+from opendit.data import (DIGITS, FOLDER, DigitsDataset, ImageFolderDataset, ResumableDistributedSampler,
+                          build_dataloader, center_crop_arr, digits_split)
 
 
 # ---- digits -------------------------------------------------------------------------------------
@@ -173,15 +173,14 @@ def test_folder_errors(tmp_path):
         ImageFolderDataset(str(tmp_path), 16)
 
 
-def test_build_dataset_errors():
-    with pytest.raises(ValueError, match="unknown dataset 'imagenet'.*digits, folder"):
-        build_dataset("imagenet", image_size=16)
+def test_dataset_spec_errors():
     for bad in (0, -8, 16.0, "16", None, True):
         with pytest.raises(ValueError, match="image_size must be a positive int"):
-            build_dataset("digits", image_size=bad)
-    with pytest.raises(ValueError, match="--data_path"):
-        build_dataset("folder", image_size=16)
-    assert isinstance(build_dataset("digits", image_size=8, channels=3), DigitsDataset)
+            DIGITS(image_size=bad)
+    with pytest.raises(ValueError, match="'folder' needs a data path; pass --data_path <folder of class folders> or "
+                                         "use --dataset digits"):
+        FOLDER(image_size=16)
+    assert isinstance(DIGITS(image_size=8, channels=3), DigitsDataset)
 
 
 def test_batch_not_divisible_names_both_numbers():

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opendit.ema import ShardedEMA, chunk_bounds
-from opendit.models import build_model
+from opendit.families import build_model
 from tests.distributed import run_distributed
 
 

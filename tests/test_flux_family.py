@@ -123,7 +123,7 @@ def test_lean_options_run_flux_and_resume_exactly(tmp_path, encoders, kw):
 
 def test_flux_dev_flops_per_sample_from_its_layers():
     from opendit.models.flux import FLUX_CONFIGS, Flux
-    from opendit.perf import flux_forward_macs
+    from opendit.families.flux import flux_forward_macs
 
     with torch.device("meta"):
         model = Flux(**FLUX_CONFIGS["flux-dev"])
@@ -181,15 +181,20 @@ def test_two_process_sampling_writes_what_one_process_does(tmp_path, encoders):
 
 def test_sample_defaults_follow_the_model():
     from opendit.families import get_family
+    from opendit.inference import complete_sample_config
 
     family = get_family("flux")
     sample_cfg = cfglib.SampleConfig()
     for model, steps in (("flux-schnell", 4), ("flux-dev", 50)):
-        run = cfglib.TrainConfig(model=model)
-        resolved = family.sample_defaults(sample_cfg, run)
+        resolved = complete_sample_config(family, sample_cfg, cfglib.TrainConfig(model=model))
         assert (resolved.sampler, resolved.num_sampling_steps, resolved.cfg_scale) == ("euler", steps, 1.0)
-    dit = get_family("dit").sample_defaults(sample_cfg, cfglib.TrainConfig(model="DiT-XL/2"))
+    dit = complete_sample_config(get_family("dit"), sample_cfg, cfglib.TrainConfig(model="DiT-XL/2"))
     assert (dit.sampler, dit.num_sampling_steps, dit.cfg_scale) == ("ddpm", 250, 4.0)
+    given = complete_sample_config(family, cfglib.SampleConfig(num_sampling_steps=7, cfg_scale=3.0),
+                                   cfglib.TrainConfig(model="flux-schnell"))
+    assert (given.num_sampling_steps, given.cfg_scale) == (7, 3.0)  # a flag given is kept
+    with pytest.raises(ValueError, match="--sampler ddim does not apply to flux-schnell; use one of euler"):
+        complete_sample_config(family, cfglib.SampleConfig(sampler="ddim"), cfglib.TrainConfig(model="flux-schnell"))
 
 
 def test_memory_accounting_and_lean_step_benchmarks_run_on_cpu(tmp_path):

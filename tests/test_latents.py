@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from opendit.data import DigitsDataset, LatentDataset, build_dataset
+from opendit.data import LATENTS, DigitsDataset, LatentDataset
 from tests.test_train import ROOT, _run, run_trainer, save_tiny_vae, tiny_cfg
 
 sys.path.insert(0, str(ROOT))
@@ -34,7 +34,7 @@ def _preprocess(vae, out, *extra):
 
 def test_dataset_shapes_count_labels(cache):
     path, vae = cache
-    ds = build_dataset("latents", path, None)
+    ds = LATENTS(path, None)
     digits = DigitsDataset(32, channels=3)
     assert len(ds) == len(digits) == 1797 and ds.latent_shape == (4, 4, 4) and ds.num_classes == 10
     (mean, std), label = ds[1000]

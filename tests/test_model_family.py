@@ -73,8 +73,7 @@ def test_registry_lookups_and_errors():
 
 
 def test_model_contract_check_names_what_is_missing():
-    with pytest.raises(TypeError, match=r"missing \['set_kernels', 'enable_sequence_parallel', 'forward_with_cfg', "
-                                        r"'_block_lists'\]"):
+    with pytest.raises(TypeError, match=r"missing \['set_kernels', 'enable_sequence_parallel', '_block_lists'\]"):
         check_model_contract(torch.nn.Linear(2, 2), "Linear")
 
 
@@ -96,7 +95,7 @@ def test_booster_wraps_the_blocks_a_family_declares(tmp_path):
 def test_an_official_dit_pt_is_named_and_sized_from_its_shapes(tmp_path):
     """DiT-XL-2-512x512.pt needs no --image_size: the model, classes, sigma and size come from the shapes."""
     from opendit.families.dit import DiTFamily
-    from opendit.models import build_model
+    from opendit.families import build_model
 
     model = build_model("DiT-S/4", input_size=64, num_classes=1000)
     torch.save(model.state_dict(), tmp_path / "DiT-S-4-512x512.pt")

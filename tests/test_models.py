@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opendit.models import MODELS, build_model
+from opendit.families import all_models, build_model
 
 SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
 
@@ -97,5 +97,5 @@ def test_unknown_model_and_bad_sizes_give_clear_errors():
         build_model("DiT-XXL/2")
     with pytest.raises(ValueError, match="not divisible by patch size"):
         build_model("DiT-S/8", input_size=12)
-    dit = {name for name, spec in MODELS.items() if spec.family == "dit"}  # other families may be registered
+    dit = {name for name, spec in all_models().items() if spec.family == "dit"}  # other families may be registered
     assert len(dit) == 16  # the paper's 12, Ti/{2,4,8} and DiT-debug

@@ -21,16 +21,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from opendit import perf
-from opendit.models import build_model
+from opendit.families import build_model
+from opendit.families.dit import dit_forward_macs, dit_train_flops_per_image
 from opendit.training.fast_step import TrainStep
-from opendit.training.objective import DiffusionObjective
+from opendit.diffusion.objective import DiffusionObjective
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark scripts are not a package
 
 
 def test_dit_xl2_at_256px_costs_712_gflop_per_training_image():
-    flops = perf.dit_train_flops_per_image("DiT-XL/2", image_size=256)
+    flops = dit_train_flops_per_image("DiT-XL/2", image_size=256)
     assert round(flops / 1e9) == 712
     assert round(flops / 6e9, 1) == 118.6  # forward GMAC, the DiT paper's "118.6 Gflops"
 
@@ -44,23 +45,23 @@ def test_forward_macs_equal_torch_flop_counter(name, input_size, learn_sigma):
     x, t, y = torch.randn(B, 4, input_size, input_size), torch.randint(0, 1000, (B,)), torch.randint(0, 10, (B,))
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(x, t, y)
-    assert counter.get_total_flops() == 2 * B * perf.dit_forward_macs(model)
+    assert counter.get_total_flops() == 2 * B * dit_forward_macs(model)
 
 
 def test_name_and_built_model_give_the_same_count():
     model = build_model("DiT-S/2", input_size=16)
-    assert perf.dit_train_flops_per_image(model) == perf.dit_train_flops_per_image("DiT-S/2", image_size=128)
-    assert perf.dit_train_flops_per_image(build_model("DiT-S/2", input_size=16, in_channels=3)) == \
-        perf.dit_train_flops_per_image("DiT-S/2", image_size=16, vae_downsample=1, in_channels=3)
+    assert dit_train_flops_per_image(model) == dit_train_flops_per_image("DiT-S/2", image_size=128)
+    assert dit_train_flops_per_image(build_model("DiT-S/2", input_size=16, in_channels=3)) == \
+        dit_train_flops_per_image("DiT-S/2", image_size=16, vae_downsample=1, in_channels=3)
 
 
 def test_flop_count_errors_name_the_fix():
     with pytest.raises(ValueError, match="needs image_size"):
-        perf.dit_train_flops_per_image("DiT-S/2")
+        dit_train_flops_per_image("DiT-S/2")
     with pytest.raises(ValueError, match="only with a model name"):
-        perf.dit_train_flops_per_image(build_model("DiT-debug", input_size=8), image_size=64)
+        dit_train_flops_per_image(build_model("DiT-debug", input_size=8), image_size=64)
     with pytest.raises(ValueError, match="pos_embed"):
-        perf.dit_forward_macs(torch.nn.Linear(2, 2))
+        dit_forward_macs(torch.nn.Linear(2, 2))
 
 
 def test_mfu_meter_reports_per_device_tflops_and_mfu(monkeypatch):
@@ -86,7 +87,7 @@ def _train(precision, steps=6, compile=None, kernels=False, attn="sdpa", batch=4
     model = build_model("DiT-debug", input_size=8, num_classes=10)
     model.set_kernels(modulate=kernels, layernorm=kernels, attn_backend=attn)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    step = TrainStep(model, DiffusionObjective().loss, precision=precision, lr=3e-3, compile=compile,
+    step = TrainStep(model, DiffusionObjective(), precision=precision, lr=3e-3, compile=compile,
                      compile_backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, 4, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -141,7 +142,7 @@ def test_fast_step_on_cuda_inductor_kernels_flash_tracks_eager():
         with torch.device("cuda"):
             model = build_model("DiT-S/2", input_size=16, num_classes=10)
         model.set_kernels(modulate=True, layernorm=True, attn_backend=resolve_attention_backend(True, "cuda"))
-        step = TrainStep(model, DiffusionObjective().loss, precision="bf16_master", lr=1e-3, compile=compile)
+        step = TrainStep(model, DiffusionObjective(), precision="bf16_master", lr=1e-3, compile=compile)
         g = torch.Generator("cuda").manual_seed(1)
         x = torch.randn(8, 4, 16, 16, device="cuda", generator=g)
         y = torch.randint(0, 10, (8,), device="cuda", generator=g)
@@ -156,9 +157,9 @@ def test_fast_step_on_cuda_inductor_kernels_flash_tracks_eager():
 
 def test_train_step_rejects_unknown_precision_and_compile_target():
     with pytest.raises(ValueError, match="precision"):
-        TrainStep(build_model("DiT-debug", input_size=8), DiffusionObjective().loss, precision="fp8")
+        TrainStep(build_model("DiT-debug", input_size=8), DiffusionObjective(), precision="fp8")
     with pytest.raises(ValueError, match="compile target"):
-        TrainStep(build_model("DiT-debug", input_size=8), DiffusionObjective().loss, compile="everything")
+        TrainStep(build_model("DiT-debug", input_size=8), DiffusionObjective(), compile="everything")
 
 
 def _benchmark(tmp_path, *extra):

@@ -54,7 +54,8 @@ def grid_shape(rows, cols, h, w):
 def test_dit_grid_has_a_row_per_class_fixed_noise_and_leaves_the_rng_alone(tmp_path, one_thread):
     family, cfg, encoders, dataset, state = pieces(tiny_cfg(tmp_path, sample_every=2))
     previewer = Previewer(family, cfg, encoders, "cpu", tmp_path / "run", dataset=dataset)
-    assert previewer.conditions == list(range(8)) and (previewer.rows, previewer.cols) == (8, 2)
+    # every class of the digits, one row each (a data set with up to MAX_ROWS classes shows them all)
+    assert previewer.conditions == list(range(10)) and (previewer.rows, previewer.cols) == (10, 2)
     assert (previewer.sample_cfg.sampler, previewer.sample_cfg.num_sampling_steps) == ("ddim", 50)
     assert previewer.sample_cfg.cfg_scale == family.default_cfg_scale
     assert [s for s in range(1, 7) if previewer.due(s)] == [2, 4, 6]
@@ -68,17 +69,17 @@ def test_dit_grid_has_a_row_per_class_fixed_noise_and_leaves_the_rng_alone(tmp_p
     assert first == tmp_path / "run" / "previews" / "step-000002.png" and second.name == "step-000004.png"
     image = np.asarray(Image.open(first))
     tile = 8 * (MIN_TILE // 8)  # 8x8 digits upscaled to 64 px
-    assert image.shape == grid_shape(8, 2, tile, tile)  # 8 classes (rows) x 2 samples
+    assert image.shape == grid_shape(10, 2, tile, tile)  # 10 classes (rows) x 2 samples
     assert np.array_equal(image, np.asarray(Image.open(second)))  # same weights, same noise: same grid
     assert [(t, s, f) for t, _, s, f in tb.images] == [("preview", 2, "HWC"), ("preview", 4, "HWC")]
     assert np.array_equal(tb.images[0][1], image)
 
     # sample i sits at row i % rows, column i // rows: row r is class r
     samples = previewer.render(state)
-    assert samples.shape == (16, 8, 8, 1)
+    assert samples.shape == (20, 8, 8, 1)
     r, c = 5, 1
     cell = image[2 + r * (tile + 2): 2 + r * (tile + 2) + tile, 2 + c * (tile + 2): 2 + c * (tile + 2) + tile]
-    assert np.array_equal(cell[::8, ::8, 0], samples[c * 8 + r][..., 0])
+    assert np.array_equal(cell[::8, ::8, 0], samples[c * 10 + r][..., 0])
 
     gen = torch.Generator().manual_seed(1)  # (a fresh DiT's final layer is zero: any seed samples the same)
     other = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in state.items()}

@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from opendit import checkpoint_integrity as integrity
+from opendit.checkpoint import manifest as integrity
 from opendit.checkpoint import load_weights
-from opendit.safe_load import SafeReader
+from opendit.checkpoint.safe_read import SafeReader
 from tests.test_train import run_trainer, tiny_cfg
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from opendit.checkpoint_integrity import CheckpointCorruptError
+from opendit.checkpoint import CheckpointCorruptError
 from opendit.config import SampleConfig
 from opendit.inference import load_model
 from tests.test_train import ROOT, run_trainer, tiny_cfg
@@ -41,8 +41,8 @@ def load(ckpt, **flags):
 def test_a_file_that_is_not_a_checkpoint_says_so_and_lists_what_is_accepted(tmp_path, flags):
     notes = tmp_path / "notes.txt"
     notes.write_text("remember to sample at cfg 4\n")
-    with pytest.raises(ValueError, match=r"notes.txt' is not a checkpoint .*\.safetensors.*step-XXXXXX.*DiT/Latte "
-                                         r"\.pt.*diffusers"):
+    with pytest.raises(ValueError, match=r"notes.txt' is not a checkpoint .*\.safetensors.*step-XXXXXX.*official DiT "
+                                         r"\.pt.*diffusers DiT folder.*official Latte \.pt.*flux1-dev"):
         load(notes, **flags)
 
 

@@ -88,7 +88,7 @@ def save_tiny_vae(folder, latent_channels: int = 4):
 
 def test_vae_image_size_must_be_multiple_of_its_downsampling_times_patch(tmp_path):
     from opendit.encoders import load_vae
-    from opendit.families.image import latent_geometry
+    from opendit.families.latent import latent_geometry
 
     vae = load_vae(save_tiny_vae(tmp_path / "vae"))
     assert latent_geometry(256, vae, 3, 2) == (32, 4)
@@ -100,7 +100,7 @@ def test_vae_image_size_must_be_multiple_of_its_downsampling_times_patch(tmp_pat
 def test_latent_training_then_sampling_through_a_local_vae(tmp_path):
     """--vae <local folder>: digits become RGB, the DiT trains on 4x4x4 latents, samples decode to 32px RGB."""
     from opendit.config import SampleConfig
-    from opendit.inference import load_model
+    from opendit.inference import complete_sample_config, load_model
 
     vae_dir = save_tiny_vae(tmp_path / "vae")
     trainer, losses = run_trainer(tiny_cfg(tmp_path / "out", image_size=32, vae=vae_dir, max_steps=3))
@@ -109,6 +109,7 @@ def test_latent_training_then_sampling_through_a_local_vae(tmp_path):
     loaded = load_model(cfg, torch.device("cpu"))
     assert (loaded.model.input_size, loaded.model.in_channels, loaded.cfg.vae) == (4, 4, vae_dir)
     family = loaded.family
+    cfg = complete_sample_config(family, cfg, loaded.cfg)
     images = family.sample_batch(loaded, family.make_sampler(cfg, loaded.cfg), range(0, 2), [0, 1], cfg,
                                  torch.device("cpu"))
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from opendit.data import (DATASETS, MovingDigitsDataset, VideoCSVDataset, VideoReadError, build_dataset,
+from opendit.data import (MOVING_DIGITS, VIDEO_CSV, MovingDigitsDataset, VideoCSVDataset, VideoReadError,
                           digits_split, read_clip, read_video_csv, video_frame_count, write_gif, write_mp4)
 from opendit.data.digits import _load_raw
 
@@ -339,17 +339,16 @@ def test_moving_digits_bad_arguments():
         MovingDigitsDataset(num_frames=0)
 
 
-# ---- build_dataset and the memory benchmark --------------------------------------------------------------
+# ---- dataset specs and the memory benchmark --------------------------------------------------------------
 @needs_av
-def test_build_dataset_video_names(videos):
-    assert {"video_csv", "moving_digits"} <= set(DATASETS)
-    ds = build_dataset("moving_digits", None, 16, num_frames=4, frame_interval=2, seed=3, channels=3)
+def test_video_dataset_specs(videos):
+    ds = MOVING_DIGITS(None, 16, num_frames=4, frame_interval=2, seed=3, channels=3)
     assert isinstance(ds, MovingDigitsDataset) and ds[0][0].shape == (3, 4, 16, 16) and ds.seed == 3
     csv_path = write_csv(videos / "build.csv", "path,label\na.mp4,0\n")
-    ds = build_dataset("video_csv", csv_path, 16, num_frames=4, frame_interval=2, seed=3, channels=1)
+    ds = VIDEO_CSV(csv_path, 16, num_frames=4, frame_interval=2, seed=3, channels=1)
     assert isinstance(ds, VideoCSVDataset) and ds[0][0].shape == (1, 4, 16, 16) and ds.frame_interval == 2
     with pytest.raises(ValueError, match="'video_csv' needs a data path"):
-        build_dataset("video_csv", None, 16)
+        VIDEO_CSV(None, 16)
 
 
 @needs_av

@@ -139,8 +139,8 @@ def test_torchrun_video_sequence_parallel_training_equals_one_process(tmp_path, 
 def test_an_official_latte_pt_is_named_and_sized_from_its_shapes(tmp_path, num_classes):
     """A Latte release (.pt with {"ema": state_dict}, no config) samples with no --model: name, frames, classes
     (0: Latte's unconditional releases) and sigma come from the tensor shapes."""
-    from opendit.inference import load_model
-    from opendit.models import build_model
+    from opendit.inference import complete_sample_config, load_model
+    from opendit.families import build_model
 
     torch.manual_seed(0)
     latte = build_model("Latte-debug", input_size=(4, 8, 8), in_channels=4, num_classes=num_classes)
@@ -149,6 +149,7 @@ def test_an_official_latte_pt_is_named_and_sized_from_its_shapes(tmp_path, num_c
                               num_sampling_steps=2, cfg_scale=1.0)  # no VAE offline: sample its latent space
     loaded = load_model(cfg, torch.device("cpu"))
     run = loaded.cfg
+    cfg = complete_sample_config(loaded.family, cfg, run)
     assert (run.model, run.num_frames, run.num_classes, run.learn_sigma) == ("Latte-debug", 4, num_classes, True)
     conditions = loaded.family.conditions(cfg, run)
     assert conditions == ([None] if num_classes == 0 else list(range(5)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from opendit import perf
+from opendit.families.video import video_forward_macs, video_train_flops_per_sample
 from opendit.families import check_model_contract
 from opendit.models.latte import Latte
 from opendit.models.pos_embed import sincos_1d, sincos_2d
@@ -207,12 +207,12 @@ def test_video_flops_equal_a_hand_count():
     common = N * (C * 4 * D) + per_sample + depth * N * block + N * D * (4 * C_out)  # patch conv, final linear
     vdit = VDiT(input_size=(T, 4, 4), patch_size=(1, 2, 2), text_dim=text, **TINY)
     latte = Latte(input_size=(T, 4, 4), text_dim=text, **TINY)
-    assert perf.video_forward_macs(vdit) == common + depth * 2 * N * N * D  # one sequence of T*S
+    assert video_forward_macs(vdit) == common + depth * 2 * N * N * D  # one sequence of T*S
     # spatial blocks: T sequences of S; temporal: S sequences of T
-    assert perf.video_forward_macs(latte) == common + depth // 2 * (T * 2 * S * S * D + S * 2 * T * T * D)
-    assert perf.video_train_flops_per_sample(latte) == 6 * perf.video_forward_macs(latte)
+    assert video_forward_macs(latte) == common + depth // 2 * (T * 2 * S * S * D + S * 2 * T * T * D)
+    assert video_train_flops_per_sample(latte) == 6 * video_forward_macs(latte)
     with pytest.raises(ValueError, match="dit_forward_macs"):
-        perf.video_forward_macs(torch.nn.Linear(2, 2))
+        video_forward_macs(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("cls, geo", MODELS)
@@ -225,12 +225,12 @@ def test_video_flops_equal_torch_flop_counter(cls, geo):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randn(B, 4, 3, 4, 4), torch.tensor([1, 2]), y=torch.tensor([0, 1]))
     repeated = 0 if cls is VDiT else 2 * (T - 1) * 6 * D * D + 2 * (S - 1) * 6 * D * D + (T - 1) * 2 * D * D
-    assert counter.get_total_flops() == 2 * B * (perf.video_forward_macs(model) + repeated)
+    assert counter.get_total_flops() == 2 * B * (video_forward_macs(model) + repeated)
 
 
 def test_xl_models_cost_per_training_clip():
     """16 frames of 32x32 latents (256x256 px): Latte-XL/2 and VDiT-XL/1x2x2, 4,096 tokens each."""
     with torch.device("meta"):
         latte, vdit = Latte(num_classes=101), VDiT(num_classes=101)
-    assert round(perf.video_train_flops_per_sample(latte) / 1e12, 2) == 11.18
-    assert round(perf.video_train_flops_per_sample(vdit) / 1e12, 2) == 17.46  # full attention over 4,096 tokens
+    assert round(video_train_flops_per_sample(latte) / 1e12, 2) == 11.18
+    assert round(video_train_flops_per_sample(vdit) / 1e12, 2) == 17.46  # full attention over 4,096 tokens

@@ -3,7 +3,8 @@ upscaled grid_large.png when the tiles are small, and samples.npz holds every sa
 import numpy as np
 from PIL import Image
 
-from opendit.families.writers import ImageWriter, VideoWriter, grid_rows, large_factor
+from opendit.families.writers import ImageWriter, VideoWriter
+from opendit.images import grid_rows, large_factor
 
 
 def shade(condition, index):

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from opendit.families import ModelSpec, register_family
-from opendit.families.image import ImageDiffusionFamily
+from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
+from opendit.families.gaussian import GaussianDiffusionFamily
 from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
 from opendit.models.layers import PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import sincos_2d
@@ -46,9 +47,10 @@ class ToyDiT(SwitchesMixin, nn.Module):
         return self(x, t)  # nothing to guide
 
 
-class ToyFamily(ImageDiffusionFamily):
+class ToyFamily(GaussianDiffusionFamily):
     name = "toy"
     models = {"Toy-S": ModelSpec("Toy-S", "toy", ToyDiT, dict(depth=2, hidden_size=32, num_heads=2, patch_size=2))}
+    datasets = dataset_map(DIGITS, FOLDER, LATENTS)
     class_conditional = False
 
     def build_model(self, cfg, latent_shape):

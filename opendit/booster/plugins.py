@@ -16,9 +16,10 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from opendit.booster import parallelize as par
@@ -230,3 +231,17 @@ def build_plugin(name: str, mixed_precision: str = "fp32", dp_replicate: int = 1
     return PLUGINS[name](mixed_precision=mixed_precision, dp_replicate=dp_replicate, sp_size=sp_size,
                          grad_checkpoint=grad_checkpoint, compile=compile, device=device, reduce_dtype=reduce_dtype,
                          blocks_to_swap=blocks_to_swap)
+
+
+def shard_frozen(module: nn.Module, blocks, plugin: str) -> nn.Module:
+    """Shard a frozen, forward-only module (a text encoder such as T5-XXL, 9.5 GB in bf16) over every rank, block
+    by block, under a plugin that keeps weights sharded between uses (zero3, fsdp, hsdp, gemini: `sharded` and
+    `reshard_after_forward`); each block is gathered for its forward and freed after it. Under ddp and zero2, and
+    in one process, the module stays whole on every rank. Returns the module."""
+    kind = PLUGINS[plugin]
+    if not (kind.sharded and kind.reshard_after_forward) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return module
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(module)
+    return module

@@ -23,6 +23,7 @@ from PIL import Image
 
 from opendit.data.digits import DigitsDataset
 from opendit.data.image_folder import IMAGE_EXTENSIONS, ImageFolderDataset, _unlistable
+from opendit.data.spec import DatasetSpec
 from opendit.data.skipped import SkipLog
 from opendit.data.transforms import check_image_size
 from opendit.seeding import mix_seed
@@ -169,6 +170,9 @@ class CaptionedImageDataset(ImageFolderDataset):
     def captions(self) -> list[str]:
         return [caption for _, caption in self.samples]
 
+    def caption(self, index: int) -> str:
+        return self.samples[index][1]
+
     def _load(self, path: str) -> Image.Image:
         image = super()._load(path)
         return image.convert("L") if self.channels == 1 else image
@@ -209,6 +213,44 @@ class CaptionedDigitsDataset(DigitsDataset):
     def labels(self) -> np.ndarray:
         return self._labels
 
+    def caption(self, index: int) -> str:
+        return self.captions[index]
+
+    def preview_prompts(self, k: int) -> list[str]:
+        """One caption per digit, the same template for all ("a handwritten zero", ...): the first k digits."""
+        return [digit_caption(d) for d in range(min(k, len(DIGIT_WORDS)))]
+
     def __getitem__(self, index: int):
         x, _ = super().__getitem__(index)
         return x, self.captions[index]
+
+
+CAPTIONED_DIGITS = DatasetSpec("captioned_digits", "built in text-to-image demo: the digits captioned \"a handwritten "
+                                                   "seven\", \"the digit seven\", ...",
+                               lambda path, size, **kw: CaptionedDigitsDataset(size, **kw), channels=1)
+CAPTIONS = DatasetSpec("captions", "images with a same-name .txt caption beside each (kohya's layout), or a CSV / "
+                                   "JSONL of path,caption",
+                       lambda path, size, **kw: CaptionedImageDataset(path, size, **kw),
+                       path="folder of images with .txt captions, or a .csv / .jsonl of path,caption",
+                       demo="captioned_digits")
+
+
+CAPTION_SCAN = 2048  # items distinct_captions looks at
+
+
+def distinct_captions(dataset, k: int) -> list[tuple[int, str]]:
+    """The first k distinct non-empty captions of `dataset` among its first CAPTION_SCAN items, as (index,
+    caption); [] when it has none (its caption(i) is missing or returns None)."""
+    found: dict[str, int] = {}
+    caption_of = getattr(dataset, "caption", None)
+    if not callable(caption_of):
+        return []
+    for i in range(min(len(dataset), CAPTION_SCAN)):
+        caption = caption_of(i)
+        if caption is None:
+            return []
+        if caption.strip() and caption not in found:
+            found[caption] = i
+            if len(found) == k:
+                break
+    return [(i, c) for c, i in found.items()]

@@ -6,6 +6,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.spec import DatasetSpec
 from opendit.data.transforms import check_image_size, to_signed_tensor
 
 NUM_DIGITS = 1797
@@ -72,3 +73,7 @@ class DigitsDataset(Dataset):
         if self.channels == 3:
             x = x.expand(3, -1, -1).contiguous()
         return x, int(self._labels[index])
+
+
+DIGITS = DatasetSpec("digits", "built in, no download: scikit-learn's 1,797 real 8x8 scans of handwritten digits, "
+                               "10 classes", lambda path, size, **kw: DigitsDataset(size, **kw), channels=1)

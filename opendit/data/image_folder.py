@@ -14,6 +14,7 @@ import warnings
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.spec import DatasetSpec
 from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.transforms import center_crop_arr, check_image_size, to_signed_tensor
 from opendit.seeding import mix_seed
@@ -123,3 +124,8 @@ class ImageFolderDataset(Dataset):
 
     def _all_unreadable(self, n: int) -> str:
         return self.skips.all_unreadable(f"all {n} images under {self.root!r}", "digits")
+
+
+FOLDER = DatasetSpec("folder", "ImageNet-style class folders (ADM center crop, random flip)",
+                     lambda path, size, **kw: ImageFolderDataset(path, size, **kw),
+                     path="folder of class folders", demo="digits")

@@ -8,8 +8,9 @@ Layout of a cache folder:
     r000-00000.mean_flip.npy  ...    the same for the horizontally flipped image (--flip_both only)
     r000-00000.label.npy             int64 [n]
     r000-00000.caption.npy           str [n] (sources with captions)
-    r000-00000.t5.npy, .clip.npy     float [n, L, D], [n, D]: text embeddings (FLUX caches; "embeddings")
-    extra.empty_t5.npy ...           arrays stored once (FLUX: the empty caption's embeddings; "extras")
+    r000-00000.<name>.npy            whatever else the family's encoders give per item, in the manifest's
+                                     "embeddings" order (FLUX: t5 [n, L, D], clip [n, D])
+    extra.<name>.npy                 arrays stored once ("extras"; FLUX: the empty caption's embeddings)
 
 Storing mean and std (not one sample, as fast-DiT does) lets every epoch draw a fresh posterior
 sample, as encoding on the fly does. preprocess.py writes into `<out>.partial` and renames it when
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from opendit.data.spec import DatasetSpec
 from opendit.seeding import mix_seed
 
 CACHE_VERSION = 1
@@ -30,7 +32,6 @@ MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 ARRAYS = ("mean", "std")
 FLIP_ARRAYS = ("mean_flip", "std_flip")
-TEXT_ARRAYS = ("t5", "clip")  # text embeddings a FLUX cache stores per item
 REBUILD_HINT = "build it with: python preprocess.py --dataset ... --vae ... --out <folder>"
 RERUN_HINT = "re-run preprocess.py to rebuild it (python preprocess.py --dataset ... --vae ... --out <folder>)"
 
@@ -92,7 +93,8 @@ def write_shard(folder: str, stem: str, arrays: dict) -> dict:
 class LatentDataset(Dataset):
     """item = ((mean, std) float32 [C, h, w] each, int label): the VAE posterior of one cached image; a video
     cache holds [C, T, h, w] per clip and, when its source had captions, items get a third field, the caption;
-    a cache with text embeddings (FLUX) appends them, float32: ((mean, std), label, caption, t5 [L, D], clip [D]).
+    a cache with embeddings appends them, float32, in the manifest's order (FLUX: ((mean, std), label, caption,
+    t5 [L, D], clip [D])).
 
     With a --flip_both cache and random_flip, item i of epoch e is the flipped image's posterior when
     mix_seed(seed, e, i) is odd (stateless, like ImageFolderDataset). Shards are memory-mapped, so a
@@ -147,10 +149,6 @@ class LatentDataset(Dataset):
             raise FileNotFoundError(f"latent cache {self.path!r} lacks extra.{key}.npy; rebuild it with preprocess.py")
         return torch.from_numpy(np.load(path).astype(np.float32))
 
-    def empty_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 [L, D], CLIP [D]) of the empty caption: what text dropout substitutes."""
-        return self.extra("empty_t5"), self.extra("empty_clip")
-
     def __getstate__(self):
         return {**self.__dict__, "_maps": None}
 
@@ -171,6 +169,13 @@ class LatentDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def caption(self, index: int) -> str | None:
+        """Item index's caption without reading its latents (None: the cache stores no captions)."""
+        if not self.captions:
+            return None
+        k = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return str(self._shard(k)["caption"][index - int(self._starts[k])])
+
     def __len__(self) -> int:
         return int(self._starts[-1])
 
@@ -189,3 +194,8 @@ class LatentDataset(Dataset):
         if self.captions:
             return (mean, std), int(arrays["label"][i]), str(arrays["caption"][i])
         return (mean, std), int(arrays["label"][i])
+
+
+LATENTS = DatasetSpec("latents", "a latent cache written by preprocess.py (its manifest gives the image size, VAE "
+                                 "and classes)", lambda path, size, **kw: LatentDataset(path, size, **kw),
+                      path="a cache folder written by preprocess.py", cache=True)

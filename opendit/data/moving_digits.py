@@ -10,6 +10,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from opendit.data.digits import SPLITS, _load_raw, digits_split
+from opendit.data.spec import DatasetSpec
 from opendit.data.transforms import check_image_size
 from opendit.data.video_io import clip_span
 from opendit.seeding import mix_seed
@@ -110,3 +111,8 @@ class MovingDigitsDataset(Dataset):
         if self.channels == 3:
             clip = clip.expand(3, -1, -1, -1).contiguous()
         return clip, int(self._labels[index]), self.caption(index)
+
+
+MOVING_DIGITS = DatasetSpec("moving_digits", "built in video demo: the digits sliding and bouncing over a black "
+                                             "canvas in one of 8 directions, label = digit, captioned",
+                            lambda path, size, **kw: MovingDigitsDataset(size, **kw), channels=1)

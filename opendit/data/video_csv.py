@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.spec import DatasetSpec
 from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.transforms import center_crop_arr, check_image_size
 from opendit.data.video_io import clip_span, read_clip, require_av
@@ -116,6 +117,10 @@ class VideoCSVDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def caption(self, index: int) -> str | None:
+        """Item index's caption without decoding its video (None: a CSV of labels)."""
+        return self.samples[index][2] if self.kind == "caption" else None
+
     def __len__(self) -> int:
         return len(self.samples)
 
@@ -142,3 +147,8 @@ class VideoCSVDataset(Dataset):
         return self.skips.all_unreadable(
             f"all {n} videos listed in {self.csv_path!r} (relative paths resolve against the CSV's folder)",
             "moving_digits")
+
+
+VIDEO_CSV = DatasetSpec("video_csv", "a CSV of videos with a path,label or path,caption header (PyAV decodes)",
+                        lambda path, size, **kw: VideoCSVDataset(path, size, **kw),
+                        path="CSV of path,caption or path,label rows", demo="moving_digits")

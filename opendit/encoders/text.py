@@ -183,3 +183,25 @@ def t5_encoder_dim(path) -> int | None:
 def load_t5_encoder(path, device="cpu", max_length: int = 512, dtype: torch.dtype = torch.bfloat16):
     """A T5TextEncoder, or None for None / "none"."""
     return None if _is_none(path) else T5TextEncoder(str(path), device, max_length, dtype)
+
+
+class FixedEmbeddings:
+    """Stands in for a text encoder when only known captions will be asked for: a table caption -> embedding
+    (CPU tensors) computed beforehand, e.g. a training preview's prompts, encoded once on every rank while a
+    sharded T5 can still run collectively, then looked up on rank 0 alone. Called like the encoder it replaces:
+    captions -> the stacked embeddings, float32 [B, ...]."""
+
+    def __init__(self, table: dict[str, torch.Tensor]):
+        self.table = table
+
+    @classmethod
+    def encode(cls, encoder, captions: list[str]) -> "FixedEmbeddings":
+        """The embeddings of `captions` (each once) by `encoder` (a CLIPTextEncoder or T5TextEncoder)."""
+        captions = list(dict.fromkeys(captions))
+        return cls(dict(zip(captions, encoder(captions).float().cpu())))
+
+    def __call__(self, captions: list[str]) -> torch.Tensor:
+        missing = [c for c in captions if c not in self.table]
+        if missing:
+            raise KeyError(f"captions {missing[:3]} were not encoded beforehand; known: {list(self.table)[:8]}")
+        return torch.stack([self.table[c] for c in captions]).float()

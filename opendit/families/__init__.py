@@ -1,15 +1,19 @@
 """Model families and the one registry of model names (see opendit.families.base for the interface).
 
-Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1). A family defined elsewhere registers
-itself with `register_family(family)` when its module is imported; name such modules in the environment variable
-OPENDIT_FAMILIES (comma-separated, e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py / sample.py /
-preprocess.py know its models.
+Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1); shared parts in latent.py (images
+through a frozen VAE) and gaussian.py (Gaussian diffusion), sampling outputs in writers.py. A family defined
+elsewhere registers itself with `register_family(family)` when its module is imported; name such modules in the
+environment variable OPENDIT_FAMILIES (comma-separated, e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py /
+sample.py / preprocess.py know its models, options and datasets.
 """
 import importlib
 import os
 
 from opendit.families.base import (DiffusionModel, LoadedModel, ModelFamily, ModelSpec, Objective,
                                    check_model_contract)
+from opendit.families.dit import DiTFamily
+from opendit.families.flux import FluxFamily
+from opendit.families.video import VideoDiffusionFamily
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -44,33 +48,35 @@ def model_spec(name: str) -> ModelSpec:
     return models[name]
 
 
+def build_model(name: str, **kwargs):
+    """Build a registered model; kwargs go to its constructor (input_size, in_channels, num_classes, ...)."""
+    return model_spec(name).build(**kwargs)
+
+
 def family_of(model_name: str) -> ModelFamily:
     """The family that registers `model_name` (an unknown name is an error listing the valid ones)."""
     return FAMILIES[model_spec(model_name).family]
 
 
-def all_datasets() -> tuple[str, ...]:
-    return tuple(dict.fromkeys(d for f in FAMILIES.values() for d in f.datasets))
+def all_datasets() -> dict:
+    """{name: DatasetSpec} of every registered family's datasets (the first family's spec of a shared name)."""
+    found = {}
+    for family in FAMILIES.values():
+        for name, spec in family.datasets.items():
+            found.setdefault(name, spec)
+    return found
 
 
 def all_samplers() -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for f in FAMILIES.values() for s in f.samplers))
 
 
-def _register_builtin() -> None:
-    from opendit.families.dit import DiTFamily
-    from opendit.families.flux import FluxFamily
-    from opendit.families.video import VideoDiffusionFamily
-
-    register_family(DiTFamily())
-    register_family(VideoDiffusionFamily())
-    register_family(FluxFamily())
-    for module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
-        importlib.import_module(module)  # registers itself
-
-
-_register_builtin()
+register_family(DiTFamily())
+register_family(VideoDiffusionFamily())
+register_family(FluxFamily())
+for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
+    importlib.import_module(_module)  # registers itself
 
 __all__ = ["FAMILIES", "DiffusionModel", "LoadedModel", "ModelFamily", "ModelSpec", "Objective", "all_datasets",
-           "all_models", "all_samplers", "check_model_contract", "family_of", "get_family", "model_spec",
-           "register_family"]
+           "all_models", "all_samplers", "build_model", "check_model_contract", "family_of", "get_family",
+           "model_spec", "register_family"]

@@ -1,29 +1,35 @@
 """The seam every model family plugs into: registry entries, the model contract, and the family interface.
 
-A family bundles what differs between image DiT, video DiT and FLUX: its model names, what a batch means,
-the conditioning encoders, the objective, the sampler, the FLOP count, the latent shape and what sampling
-writes. `Trainer`, `opendit.inference`, `sample.py` and `preprocess.py` ask the family; none of them tests
-a model's name. docs/architecture.md walks through adding a family.
+A family bundles what differs between image DiT, video DiT and FLUX: its model names, its options and datasets,
+what a batch means, the conditioning encoders, the objective, the sampler, the FLOP count, the latent shape and
+what sampling writes. `Trainer`, `opendit.inference`, `sample.py` and `preprocess.py` ask the family; none of them
+names a family, dataset, encoder or sampler. docs/architecture.md walks through adding one.
 """
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from opendit.checkpoint import load_weights
+from opendit.data import DatasetSpec, distinct_captions
+from opendit.parallel.plan import HEAD_KINDS
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     """One registry entry: `name` (e.g. "DiT-XL/2") builds `constructor(**arch, **kwargs)`.
 
-    arch holds the fixed architecture (depth, widths, heads, patch); kwargs the run's settings
-    (input size, channels, classes). num_heads is what sequence parallelism splits."""
+    arch holds the fixed architecture (depth, widths, heads, patch); kwargs the run's settings (input size,
+    channels, classes). constants: what else the model implies for a run (FLUX: T5 tokens per caption, sampling
+    steps, whether its schedule shifts); the family reads them. num_heads is what sequence parallelism splits."""
     name: str
     family: str
     constructor: Callable[..., nn.Module]
     arch: Mapping[str, Any] = field(default_factory=dict)
+    constants: Mapping[str, Any] = field(default_factory=dict)
 
     def build(self, **kwargs) -> nn.Module:
         """kwargs may also override an architecture value (e.g. depth=3 for a quick test)."""
@@ -37,32 +43,7 @@ class ModelSpec:
     def sp_kinds(self) -> tuple[str, ...]:
         """The sequence-parallel methods the model implements (its class's `sp_kinds`; default FastSeq and
         Ulysses, which every model built on opendit.models.layers.Attention gets)."""
-        from opendit.parallel.plan import HEAD_KINDS
-
         return getattr(self.constructor, "sp_kinds", HEAD_KINDS)
-
-
-@runtime_checkable
-class DiffusionModel(Protocol):
-    """What the booster, the kernels switch, sequence parallelism and the samplers need from a model.
-
-    _block_lists: names of the nn.ModuleList attributes holding repeated blocks, in forward order (FLUX:
-      ("double_blocks", "single_blocks")); the booster checkpoints, compiles and shards them one by one.
-    set_kernels: switch fused kernels / the attention backend ("sdpa", "flash", "math"); same math.
-    enable_sequence_parallel: split each sample's tokens over `group` (None turns it off); returns the
-      opendit.parallel.SequenceParallel hook. Every rank of the group gets the same inputs.
-    forward(x, t, **cond): x [B, *latent_shape], t [B] -> the objective's prediction, x's spatial shape.
-    forward_with_cfg(x, t, cfg_scale, **cond): classifier-free guidance on a batch [cond half; uncond half].
-    """
-    _block_lists: tuple[str, ...]
-
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa") -> None: ...
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None): ...
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, **cond) -> torch.Tensor: ...
-
-    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, cfg_scale: float, **cond) -> torch.Tensor: ...
 
 
 def match_registry(models: Mapping[str, ModelSpec], **arch) -> str | None:
@@ -72,10 +53,32 @@ def match_registry(models: Mapping[str, ModelSpec], **arch) -> str | None:
     return found[0] if found else None
 
 
+@runtime_checkable
+class DiffusionModel(Protocol):
+    """What shared code needs from a model: the booster, the kernel switches and sequence parallelism.
+
+    _block_lists: names of the nn.ModuleList attributes holding repeated blocks, in forward order (FLUX:
+      ("double_blocks", "single_blocks")); the booster checkpoints, compiles and shards them one by one.
+    set_kernels(modulate, layernorm, attn_backend): switch fused kernels / the attention backend ("sdpa",
+      "flash", "math"); the math is the same either way.
+    enable_sequence_parallel(group, kind): split each sample's tokens over `group` (None turns it off) with
+      `kind` ("fastseq", "ulysses", or what the model's sp_kinds list); returns the opendit.parallel hook.
+      Every rank of the group gets the same inputs and returns the whole output.
+
+    The forward is the family's business: each family documents what its objective and sampler call (DiT:
+    forward(x, t, y) and forward_with_cfg; FLUX: the official forward(img, img_ids, txt, txt_ids, timesteps, y,
+    guidance)).
+    """
+    _block_lists: tuple[str, ...]
+
+    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa") -> None: ...
+
+    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None): ...
+
+
 def check_model_contract(model: nn.Module, name: str) -> None:
     """A clear error when a family's model misses part of the DiffusionModel contract."""
-    missing = [m for m in ("set_kernels", "enable_sequence_parallel", "forward_with_cfg", "_block_lists")
-               if not hasattr(model, m)]
+    missing = [m for m in ("set_kernels", "enable_sequence_parallel", "_block_lists") if not hasattr(model, m)]
     lists = getattr(model, "_block_lists", ())
     bad = [n for n in lists if not isinstance(getattr(model, n, None), nn.ModuleList)]
     if missing or bad or not lists:
@@ -86,16 +89,14 @@ def check_model_contract(model: nn.Module, name: str) -> None:
 
 class Objective(Protocol):
     """What one training micro-batch costs. prepare: a loader batch -> (model input x [B, ...], cond: dict of
-    model keyword tensors, each [B, ...]; train=False: no condition dropout); losses: per-sample losses [B] in
-    fp32 and each sample's noise level t in [0, 1] [B], with t and noise from the global RNG, or given (the
-    validation loss's fixed ones); loss: their mean."""
+    model keyword tensors, each [B, ...]; train=False: no condition dropout). losses: per-sample losses [B] in
+    fp32 and each sample's noise level in [0, 1] [B], with noise level and noise drawn from the global RNG, or
+    given (the validation loss's fixed ones)."""
 
     def prepare(self, batch, device: torch.device, train: bool = True) -> tuple[torch.Tensor, dict]: ...
 
     def losses(self, model: nn.Module, x: torch.Tensor, cond: dict, t_frac: torch.Tensor | None = None,
                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def loss(self, model: nn.Module, x: torch.Tensor, cond: dict) -> torch.Tensor: ...
 
 
 @dataclass
@@ -104,24 +105,41 @@ class LoadedModel:
     family: "ModelFamily"
     model: nn.Module
     encoders: Any
-    cfg: Any  # the run's TrainConfig
+    cfg: Any  # the run's training config
     latent_shape: tuple[int, ...]  # per-sample model input, e.g. (C, h, w)
     weights: str  # where the weights came from
 
 
-class ModelFamily:
-    """The family interface. Subclasses set the class attributes and implement the methods; the image
-    family (opendit.families.image) implements everything but the model-specific parts.
+def preview_prompts(dataset, rows: int) -> list[str]:
+    """Prompts for a preview grid: the dataset's own (its preview_prompts(k), e.g. the captioned digits' "a
+    handwritten zero" ...), else its first distinct captions; [] when it has no captions."""
+    own = getattr(dataset, "preview_prompts", None)
+    if callable(own):
+        return list(own(rows))
+    return [c for _, c in distinct_captions(dataset, rows)] if dataset is not None else []
 
-    `cfg` below is always an opendit.config.TrainConfig: the live one while training, the one a checkpoint
-    was trained with (flags applied on top) while sampling. `encoders` is whatever `load_encoders` returns.
+
+class ModelFamily:
+    """The family interface. Subclasses set the class attributes and implement the methods; opendit.families.
+    latent (data through a frozen VAE), .gaussian (Gaussian diffusion) and the built-in families implement it.
+
+    `cfg` below is always the run's training config (opendit.config.TrainConfig, whose fields are the shared
+    options plus every family's `train_options`): the live one while training, the one a checkpoint was trained
+    with (flags applied on top) while sampling. `sample_cfg` is a SampleConfig, `encoders` whatever
+    `load_encoders` returns.
     """
     name: str = ""
     models: Mapping[str, ModelSpec] = {}
-    datasets: tuple[str, ...] = ()  # --dataset values it trains on
+    datasets: Mapping[str, DatasetSpec] = {}  # --dataset values it trains on (opendit.data.dataset_map)
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
+    checkpoint_formats: tuple[str, ...] = ()  # foreign checkpoints recognize_checkpoint knows, for error messages
+    # Option dataclasses (opendit.options.opt fields) merged into train.py's, sample.py's and preprocess.py's
+    # flags by opendit.config; a field of the same name in two families must have the same type and default.
+    train_options: type | None = None
+    sample_options: type | None = None
+    cache_options: type | None = None
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def resolve_config(self, cfg):
@@ -152,44 +170,71 @@ class ModelFamily:
     def objective(self, cfg, encoders) -> Objective:
         raise NotImplementedError
 
+    def load_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """{official key: tensor} from `path` (--init_weights, a sampled checkpoint): opendit's own formats, and
+        in a family that owns one, a foreign format (e.g. a diffusers folder, converted)."""
+        return load_weights(path)
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str) -> tuple[dict, dict | None] | None:
         """A checkpoint that carries no opendit config (an official release, a diffusers folder) -> (training
         settings it implies, its state_dict when reading the settings already loaded it); None if not ours."""
         return None
 
-    def sampling_config(self, settings: dict, flags: dict):
-        """Training settings of a checkpoint + the sample.py flags given -> the run's cfg (a TrainConfig)."""
-        raise NotImplementedError
+    def sampling_config(self, cfg, given: set[str]):
+        """The training config a checkpoint implies (its settings with sample.py's flags on top; `given`: the
+        keys that were actually known) -> that config checked (what cannot be told is an error naming the flag
+        to pass) and with the family's defaults filled in."""
+        return cfg
 
     def default_sampling_steps(self, cfg) -> int:
         """sample.py's --num_sampling_steps when not given."""
         return 250
 
-    def sample_defaults(self, sample_cfg, cfg):
-        """The sample.py config with the family's defaults where a flag was left out (sampler, steps, cfg)."""
-        return replace(
-            sample_cfg, sampler=sample_cfg.sampler or self.samplers[0],
-            num_sampling_steps=sample_cfg.num_sampling_steps or self.default_sampling_steps(cfg),
-            cfg_scale=self.default_cfg_scale if sample_cfg.cfg_scale is None else sample_cfg.cfg_scale)
+    def sample_defaults(self, sample_cfg, cfg) -> dict:
+        """The family's values for the sample.py settings left out (None): sampler, steps, guidance scale.
+        opendit.inference.complete_sample_config applies them, once, for sample.py and previews alike."""
+        return {"sampler": self.samplers[0], "num_sampling_steps": self.default_sampling_steps(cfg),
+                "cfg_scale": self.default_cfg_scale}
 
     def conditions(self, sample_cfg, cfg) -> list:
         """What sample i is conditioned on is conditions[i % len(conditions)] (class labels, prompts, None)."""
         raise NotImplementedError
 
     def make_sampler(self, sample_cfg, cfg):
+        """The sampler of a completed sample config (defaults applied); sample_batch uses it."""
         raise NotImplementedError
 
     def sample_batch(self, loaded: LoadedModel, sampler, indices: range, conditions: list, sample_cfg,
                      device: torch.device) -> np.ndarray:
         """Samples for global indices -> uint8 [n, ..., C] (images [n, H, W, C]). Noise must depend only on
-        (sample_cfg.seed, indices), so N processes produce what one process would."""
+        (sample_cfg.seed, indices), so N processes produce what one process would (opendit.seeding.
+        sampling_generator)."""
         raise NotImplementedError
 
     def writer(self, out_dir, sample_cfg, cfg):
         """-> an object with write(index, sample) (each process, its own samples) and finish(num, conditions)
         (rank 0, after all have written)."""
         raise NotImplementedError
+
+    # ---- previews while training (opendit.training.preview) -------------------------------------------------
+    def preview_settings(self, cfg) -> dict:
+        """sample.py settings of a quick, deterministic preview (the sampler and its steps)."""
+        return {"num_sampling_steps": min(self.default_sampling_steps(cfg), 20)}
+
+    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+        """Up to `rows` conditions, one row of the preview grid each: class labels, prompts, or [None]."""
+        return [None]
+
+    def preview_encoders(self, cfg, encoders, conditions: list, dataset):
+        """Encoders that can sample exactly `conditions` later on rank 0 alone. Called on every rank (a sharded
+        text encoder encodes collectively): text families encode their prompts here (encoders.text.
+        FixedEmbeddings); others return `encoders`."""
+        return encoders
+
+    def sampling_encoders(self, cfg, encoders, device: torch.device):
+        """The training encoders completed for sampling (e.g. the VAE, which training on a cache skips)."""
+        return encoders
 
     # ---- caching (preprocess.py) ---------------------------------------------------------------------------
     def resolve_cache_config(self, cfg):
@@ -201,7 +246,7 @@ class ModelFamily:
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")
 
     def cache_source(self, cfg, encoders):
-        """The dataset preprocess.py encodes (cfg: an opendit.config.PreprocessConfig): items (x, label)."""
+        """The dataset preprocess.py encodes (cfg: a PreprocessConfig): items (x, label[, caption])."""
         raise NotImplementedError(f"model family {self.name!r} has no latent cache")
 
     def cache_encode(self, encoders, x: torch.Tensor, captions: list[str] | None = None) -> dict:

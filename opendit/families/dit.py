@@ -1,18 +1,23 @@
 """Image DiT as a model family: the DiT paper's models on images, class labels, Gaussian diffusion.
 
-Besides opendit's own checkpoints, sampling reads what the DiT release and diffusers publish: an official
-`.pt` (DiT-XL-2-256x256.pt) implies DiT-XL/2, 1000 classes and sd-vae-ft-ema; a diffusers DiT folder
-(facebook/DiT-XL-2-256) brings its settings in its config.json and is converted on load.
+Besides opendit's own checkpoints, sampling and --init_weights read what the DiT release and diffusers publish:
+an official `.pt` (DiT-XL-2-256x256.pt) implies DiT-XL/2, 1000 classes and sd-vae-ft-ema; a diffusers DiT folder
+(facebook/DiT-XL-2-256, or its transformer/) brings its settings in its config.json and is converted on load.
 """
 from pathlib import Path
 
-from opendit.checkpoint import load_weights
-from opendit.families.base import ModelSpec, match_registry
-from opendit.families.image import ImageDiffusionFamily
-from opendit.models.dit import DiT
+import torch
+import torch.nn as nn
 
-# (depth, hidden, heads): the DiT paper's four sizes, plus Ti (DeiT-Tiny widths) for CPU demos
-_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+from opendit.checkpoint import load_weights
+from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
+from opendit.families.base import ModelSpec, match_registry
+from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
+from opendit.models.blocks import is_per_sample_layer
+from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
+from opendit.models.dit import DIT_SIZES, DiT
+from opendit.models.layers import Attention
+from opendit.perf import matmul_macs
 
 
 def _spec(name: str, depth: int, hidden: int, heads: int, patch: int) -> ModelSpec:
@@ -20,7 +25,7 @@ def _spec(name: str, depth: int, hidden: int, heads: int, patch: int) -> ModelSp
 
 
 DIT_MODELS = {f"DiT-{size}/{patch}": _spec(f"DiT-{size}/{patch}", d, h, n, patch)
-              for size, (d, h, n) in _SIZES.items() for patch in (2, 4, 8)}
+              for size, (d, h, n) in DIT_SIZES.items() for patch in (2, 4, 8)}
 DIT_MODELS["DiT-debug"] = _spec("DiT-debug", 2, 64, 4, 2)
 
 # What an official DiT .pt implies when nothing else says otherwise.
@@ -28,9 +33,48 @@ OFFICIAL_DEFAULTS = dict(model="DiT-XL/2", dataset="folder", num_classes=1000, v
                          learn_sigma=True)
 
 
-class DiTFamily(ImageDiffusionFamily):
+def dit_forward_macs(model: nn.Module) -> int:
+    """Multiply-accumulates of one forward pass for ONE sample of `model` (a DiT), from its layers.
+
+    Tokens per sample N come from the model's position table (pos_embed [1, N, D]); a token-wise Linear(in, out)
+    costs N * in * out, a per-sample one (timestep MLP, adaLN modulation) in * out, the patch conv
+    N * (D * C_in * p * p), and each attention layer 2 * N^2 * D (q k^T and p v)."""
+    pos = getattr(model, "pos_embed", None)
+    if pos is None or pos.dim() != 3:
+        raise ValueError(f"{type(model).__name__} has no pos_embed [1, N, D]; dit_forward_macs counts DiT models "
+                         f"(build one with opendit.families.build_model)")
+    tokens = pos.shape[1]
+    macs = matmul_macs(model, lambda name: 1 if is_per_sample_layer(name) else tokens)
+    return macs + sum(2 * tokens * tokens * m.num_heads * m.head_dim for m in model.modules()
+                      if isinstance(m, Attention))
+
+
+def dit_train_flops_per_image(model, image_size: int | None = None, vae_downsample: int = 8,
+                              in_channels: int = 4, learn_sigma: bool = True) -> float:
+    """Training FLOPs per image (3 passes x 2 FLOP x forward MACs).
+
+    model: a DiT module (its own geometry is used; image_size must be None), or a registry name such as
+    "DiT-XL/2" with image_size in pixels; the latent side is image_size // vae_downsample (1 = pixel space).
+    The model is then built on the meta device: no memory, no weights.
+    """
+    if isinstance(model, str):
+        if image_size is None:
+            raise ValueError(f"dit_train_flops_per_image({model!r}) needs image_size (pixels), e.g. 256")
+        if image_size % vae_downsample:
+            raise ValueError(f"image_size {image_size} is not divisible by vae_downsample {vae_downsample}")
+        with torch.device("meta"):
+            model = DIT_MODELS[model].build(input_size=image_size // vae_downsample, in_channels=in_channels,
+                                            learn_sigma=learn_sigma)
+    elif image_size is not None:
+        raise ValueError("pass image_size only with a model name; a built model already fixes its input size")
+    return 3 * 2 * float(dit_forward_macs(model))
+
+
+class DiTFamily(GaussianDiffusionFamily):
     name = "dit"
     models = DIT_MODELS
+    datasets = dataset_map(DIGITS, FOLDER, LATENTS)
+    checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")
 
     def build_model(self, cfg, latent_shape):
         channels, size, _ = latent_shape
@@ -38,21 +82,20 @@ class DiTFamily(ImageDiffusionFamily):
                                             learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)
 
     def train_flops_per_sample(self, model) -> float:
-        from opendit.perf import dit_train_flops_per_image
-
         return dit_train_flops_per_image(model)
 
-    def recognize_checkpoint(self, path: str):
-        from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
+    def load_weights(self, path: str) -> dict:
+        if is_diffusers_dir(path):  # converted to the official keys
+            return load_diffusers_dit(path)[1]
+        return load_weights(path)
 
+    def recognize_checkpoint(self, path: str):
         if is_diffusers_dir(path):  # e.g. facebook/DiT-XL-2-256: its config gives the settings
-            spec, state = load_diffusers_dit(path)
-            kw = spec["kwargs"]
+            kw, state = load_diffusers_dit(path)
             settings = dict(OFFICIAL_DEFAULTS, image_size=kw["input_size"] * 8, num_classes=kw["num_classes"],
                             learn_sigma=kw["learn_sigma"])
-            if spec["name"] is not None:
-                settings["model"] = spec["name"]
-            return settings, state
+            name = match_registry(DIT_MODELS, **{k: kw[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")})
+            return ({**settings, "model": name} if name else settings), state
         if Path(path).suffix == ".pt":  # DiT-XL-2-256x256.pt, DiT-XL-2-512x512.pt
             state = load_weights(path, mmap=True)  # keys and shapes only: the tensors stay on disk
             return (settings_from_shapes(state), None) if "pos_embed" in state and "temp_embed" not in state else None
@@ -62,12 +105,8 @@ class DiTFamily(ImageDiffusionFamily):
 def settings_from_shapes(state: dict) -> dict:
     """An official DiT state dict -> the settings it was trained with: the model name (by depth, width and
     patch), classes (embedding rows - 1), learned sigma, and the image size (latent side x 8, SD's VAE)."""
-    hidden, patch = state["pos_embed"].shape[-1], state["x_embedder.proj.weight"].shape[-1]
-    depth = sum(1 for k in state if k.endswith(".attn.qkv.weight"))
-    in_channels = state["x_embedder.proj.weight"].shape[1]
-    side = int(state["pos_embed"].shape[1] ** 0.5) * patch
-    name = match_registry(DIT_MODELS, depth=depth, hidden_size=hidden, patch_size=patch)
-    return dict(OFFICIAL_DEFAULTS, image_size=side * 8,
-                num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1,
-                learn_sigma=state["final_layer.linear.weight"].shape[0] == 2 * in_channels * patch * patch,
-                **({"model": name} if name else {}))
+    found = official_shapes(state)
+    name = match_registry(DIT_MODELS, depth=found["depth"], hidden_size=found["hidden_size"],
+                          patch_size=found["patch_size"])
+    return dict(OFFICIAL_DEFAULTS, image_size=found["latent_side"] * 8, num_classes=found["num_classes"],
+                learn_sigma=found["learn_sigma"], **({"model": name} if name else {}))

@@ -6,34 +6,79 @@ Data: the captioned digits demo, a folder of images with .txt captions beside th
 path,caption, or a cache from preprocess.py --family flux (VAE posteriors, T5 embeddings, CLIP vectors: training
 on it loads no encoder at all). Text dropout for classifier-free guidance replaces each encoder's output by the
 empty caption's, independently (p = --text_dropout_prob each).
+
+What the model's forward takes (the official arguments): forward(img [B, L, 4C] 2x2-packed latent tokens,
+img_ids [B, L, 3], txt [B, L_txt, D_t5], txt_ids [B, L_txt, 3], timesteps [B] in [0, 1], y [B, D_clip] pooled
+CLIP, guidance [B] or None) -> velocity tokens [B, L, 4C]; forward_with_cfg(..., cfg_scale) on [cond; uncond].
 """
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
+import torch.nn as nn
+from safetensors import safe_open
 
-from opendit.data import build_dataset
-from opendit.diffusion.flow import RectifiedFlow, euler_sample, flux_schedule
-from opendit.encoders.text import load_t5_encoder, load_text_encoder, t5_encoder_dim, text_encoder_dim
-from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode, encode, load_vae, scale_latents
-from opendit.families.base import ModelSpec
-from opendit.families.image import ImageDiffusionFamily
-from opendit.families.writers import ImageWriter
+from opendit.booster import shard_frozen
+from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
+from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
+from opendit.encoders.text import FixedEmbeddings, load_t5_encoder, load_text_encoder, t5_encoder_dim, text_encoder_dim
+from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
+from opendit.families.base import ModelSpec, preview_prompts
+from opendit.families.latent import LatentImageFamily, is_none
 from opendit.models.flux import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
+from opendit.options import opt
+from opendit.perf import matmul_macs
+from opendit.seeding import sampling_generator
 
-FLUX_MODELS = {name: ModelSpec(name, "flux", Flux, arch) for name, arch in FLUX_CONFIGS.items()}
-T5_MAX_LENGTH = {"flux-dev": 512, "flux-schnell": 256, "flux-debug": 16}
-SAMPLING_STEPS = {"flux-schnell": 4}  # the others: 50, FLUX.1-dev's default
-TIME_SHIFT = {"flux-schnell": False}  # schnell samples on the plain linear schedule
+# What each model implies beyond its architecture: T5 tokens per caption, default sampling steps, and whether
+# its sampling schedule shifts with the resolution (schnell samples on the plain linear schedule in 4 steps).
+FLUX_CONSTANTS = {"flux-dev": dict(t5_max_length=512, sampling_steps=50, time_shift=True),
+                  "flux-schnell": dict(t5_max_length=256, sampling_steps=4, time_shift=False),
+                  "flux-debug": dict(t5_max_length=16, sampling_steps=50, time_shift=True)}
+FLUX_MODELS = {name: ModelSpec(name, "flux", Flux, arch, FLUX_CONSTANTS[name]) for name, arch in FLUX_CONFIGS.items()}
+DEFAULT_T5_MAX_LENGTH = 512  # when no model is named (preprocess.py without --model)
+
+T5_HELP = "a local T5 encoder folder (T5EncoderModel + tokenizer, or a pipeline folder with text_encoder_2/)"
+CLIP_HELP = "the pooled-vector CLIP-L text encoder folder (or a pipeline folder with text_encoder/), required"
+T5_LENGTH_HELP = "T5 tokens per caption; default: a cache's, else the model's (flux-dev 512, flux-schnell 256, " \
+                 "flux-debug 16)"
+
+
+@dataclass
+class FluxTrainOptions:
+    clip: str = opt("none", CLIP_HELP)
+    t5: str = opt("none", T5_HELP + ", required")
+    t5_max_length: int | None = opt(None, T5_LENGTH_HELP, check="positive")
+    text_dropout_prob: float = opt(0.447, "each text encoder's output is replaced by the empty caption's this often, "
+                                          "independently (0.447: about 20%% of samples see neither)", check="prob")
+    timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, then FLUX's "
+                                                 "resolution-dependent shift", TIMESTEP_SAMPLINGS)
+    guidance: float = opt(1.0, "models with a guidance embedding (flux-dev, flux-debug): the value it sees while "
+                               "training")
+
+
+@dataclass
+class FluxSampleOptions:
+    clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
+    t5: str | None = opt(None, "T5 encoder folder; default: the checkpoint's", from_checkpoint=True)
+    guidance: float = opt(3.5, "models with a guidance embedding (flux-dev): the guidance they are given")
+    negative_prompt: str = opt("", "with --cfg_scale > 1 (true classifier-free guidance): the unconditional caption")
+
+
+@dataclass
+class FluxCacheOptions:
+    clip: str = opt("none", "the CLIP text encoder folder whose pooled vectors to cache")
+    t5: str = opt("none", "the T5 encoder folder whose token embeddings to cache")
+    t5_max_length: int | None = opt(None, "T5 tokens per caption; default: the model's (see --model)",
+                                    check="positive")
 
 
 @dataclass
 class FluxEncoders:
     vae: torch.nn.Module | None  # None: pixel space, or training on a cache
-    t5: object | None  # opendit.encoders.text.T5TextEncoder; None when training on a cache
-    clip: object | None  # opendit.encoders.text.CLIPTextEncoder (pooled vector)
+    t5: object | None  # opendit.encoders.text.T5TextEncoder (or FixedEmbeddings); None when training on a cache
+    clip: object | None  # opendit.encoders.text.CLIPTextEncoder (pooled vector), or FixedEmbeddings
     empty: tuple[torch.Tensor, torch.Tensor] | None = None  # (T5 [L, D], CLIP [D]) of the empty caption
 
     def encode(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +91,11 @@ class FluxEncoders:
             self.empty = (t5[0], clip[0])
         self.empty = tuple(e.to(device) for e in self.empty)  # kept there: later steps copy nothing
         return self.empty
+
+
+def empty_embeddings(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T5 [L, D], CLIP [D]) of the empty caption, stored once in a FLUX latent cache: what text dropout uses."""
+    return cache.extra("empty_t5"), cache.extra("empty_clip")
 
 
 def encoder_dtype(device) -> torch.dtype:
@@ -85,14 +135,11 @@ class FlowObjective:
         vec = torch.where(drop_vec[:, None], empty_vec, vec)
         return x, {"txt": txt, "y": vec}
 
-    def loss(self, model, x, cond: dict) -> torch.Tensor:
-        """x [B, C, h, w] latents; t from the configured distribution with FLUX's shift for this resolution."""
-        return self.losses(model, x, cond)[0].mean()
-
     def losses(self, model, x, cond: dict, t_frac: torch.Tensor | None = None,
                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-sample loss [B] in fp32, t [B]). t_frac and noise None: drawn from the global RNG (training);
-        given: used as they are (validation: t is the noise level itself, no shift)."""
+        """(per-sample loss [B] in fp32, t [B]). t_frac and noise None: drawn from the global RNG (training; t
+        from the configured distribution with FLUX's shift for this resolution); given: used as they are
+        (validation: t is the noise level itself, no shift)."""
         b, _, h, w = x.shape
         if t_frac is None:
             t = self.flow.sample_t(b, x.device, image_seq_len=(h // 2) * (w // 2),
@@ -114,6 +161,27 @@ def flux_inputs(img, h: int, w: int, txt, y, t, guidance: float | None) -> dict:
                                                                                   device=img.device))
 
 
+def flux_forward_macs(model: nn.Module, txt_tokens: int, img_tokens: int) -> int:
+    """Multiply-accumulates of one FLUX forward pass for ONE sample of txt_tokens T5 tokens and img_tokens
+    packed latent tokens, from its layers: a Linear of a text-stream module (txt_in, txt_attn, txt_mlp) costs
+    txt_tokens * in * out, of an image-stream one (img_in, img_attn, img_mlp, final_layer.linear) img_tokens *
+    in * out, of a single block (linear1, linear2: the joint sequence) (txt + img) * in * out, and a per-sample
+    one (time / guidance / vector embedders, modulations) in * out; each of the depth + depth_single_blocks
+    joint attentions 2 * L^2 * hidden with L = txt + img."""
+    joint = txt_tokens + img_tokens
+
+    def rows_of(name: str) -> int:
+        if "_mod." in name or "modulation" in name or name.split(".")[0] in ("time_in", "vector_in", "guidance_in"):
+            return 1
+        if name.startswith("single_blocks."):
+            return joint
+        if name.startswith("txt_in") or ".txt_" in name:
+            return txt_tokens
+        return img_tokens  # img_in, the image stream, final_layer.linear
+    attentions = len(model.double_blocks) + len(model.single_blocks)
+    return matmul_macs(model, rows_of) + attentions * 2 * joint * joint * model.hidden_size
+
+
 @dataclass
 class FluxSampler:
     timesteps: list[float]  # from 1 (noise) to 0 (data)
@@ -121,52 +189,62 @@ class FluxSampler:
     progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
 
 
-class FluxFamily(ImageDiffusionFamily):
+class FluxFamily(LatentImageFamily):
     name = "flux"
     models = FLUX_MODELS
-    datasets = ("captioned_digits", "captions", "latents")
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
     samplers = ("euler",)
-    class_conditional = False
     cache_keys = ("t5", "clip", "t5_max_length")
+    checkpoint_formats = ("an official flux1-dev / flux1-schnell .safetensors",)
+    train_options = FluxTrainOptions
+    sample_options = FluxSampleOptions
+    cache_options = FluxCacheOptions
     default_vae_scale = FLUX_VAE_SCALE
-    default_cfg_scale = 1.0
+    vae_shift = FLUX_VAE_SHIFT
+    default_cfg_scale = 1.0  # the guidance embedding guides; true CFG is opt-in
+    sampling_needs = ("image_size", "vae", "t5", "clip")
 
     def patch_size(self, cfg) -> int:
         return 2  # FLUX packs 2x2 latent patches into one token
 
+    def constant(self, model: str | None, key: str):
+        spec = self.models.get(model) if model is not None else None
+        return spec.constants[key] if spec is not None else FLUX_CONSTANTS["flux-dev"][key]
+
     def default_sampling_steps(self, cfg) -> int:
-        return SAMPLING_STEPS.get(cfg.model, 50)
+        return self.constant(cfg.model, "sampling_steps")
 
     # ---- configuration and data ---------------------------------------------------------------------------
-    def _defaults(self, cfg):
-        cfg = super()._defaults(cfg)
-        return dataclasses.replace(cfg, num_classes=0,
-                                   t5_max_length=cfg.t5_max_length or T5_MAX_LENGTH.get(cfg.model, 512))
+    def fill_defaults(self, cfg):
+        return dataclasses.replace(super().fill_defaults(cfg), num_classes=0,
+                                   t5_max_length=cfg.t5_max_length or self.constant(cfg.model, "t5_max_length"))
 
     def load_encoders(self, cfg, device, training: bool) -> FluxEncoders:
-        if training and cfg.dataset == "latents":  # everything is in the cache
+        if training and self.dataset_spec(cfg).cache:  # everything is in the cache
             return FluxEncoders(vae=None, t5=None, clip=None)
         for flag in ("t5", "clip"):
-            if str(getattr(cfg, flag)).lower() == "none":
+            if is_none(getattr(cfg, flag)):
                 raise ValueError(f"{cfg.model} needs --{flag} <local folder> (a FLUX pipeline folder works for both: "
                                  f"its text_encoder/ is CLIP, its text_encoder_2/ T5); the demo makes tiny ones: "
                                  f"RECIPE=digits bash train_flux.sh")
         dtype = encoder_dtype(device)
         t5 = load_t5_encoder(cfg.t5, device, cfg.t5_max_length, dtype)
-        if training:
-            t5 = shard_for_plugin(t5, cfg.plugin)
+        if training:  # T5-XXL is sharded like the model's weights under the plugins that keep them sharded
+            shard_frozen(t5.model, t5.model.encoder.block, cfg.plugin)
         return FluxEncoders(vae=load_vae(cfg.vae, device), t5=t5, clip=load_text_encoder(cfg.clip, device, dtype=dtype))
 
+    def dataset_options(self, cfg, encoders, spec) -> dict:
+        if spec.cache:
+            return {"seed": cfg.global_seed}
+        return {"channels": self.source_channels(cfg, encoders)}
+
     def load_data(self, cfg, encoders: FluxEncoders):
-        if cfg.dataset == "latents":
-            dataset = build_dataset("latents", cfg.data_path, cfg.image_size, seed=cfg.global_seed)
+        dataset, cfg = super().load_data(cfg, encoders)
+        if self.dataset_spec(cfg).cache:
             if not dataset.embeddings:
                 raise ValueError(f"latent cache {cfg.data_path!r} holds no text embeddings (not written with "
                                  f"preprocess.py --family flux); rebuild it with --family flux --t5 ... --clip ...")
-            encoders.empty = dataset.empty_embeddings()
-        else:
-            channels = 3 if encoders.vae is not None else self.pixel_channels(cfg)
-            dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, channels=channels)
+            encoders.empty = empty_embeddings(dataset)
         return dataset, dataclasses.replace(cfg, num_classes=0)
 
     # ---- model ---------------------------------------------------------------------------------------------
@@ -179,20 +257,16 @@ class FluxFamily(ImageDiffusionFamily):
         return model
 
     def train_flops_per_sample(self, model) -> float:
-        from opendit.perf import flux_forward_macs
-
         return 3 * 2 * float(flux_forward_macs(model, *model.num_tokens))
 
     def objective(self, cfg, encoders: FluxEncoders) -> FlowObjective:
-        return FlowObjective(encoders, cfg, FLUX_CONFIGS[cfg.model]["guidance_embed"], FLUX_VAE_SHIFT)
+        return FlowObjective(encoders, cfg, self.models[cfg.model].arch["guidance_embed"], self.vae_shift)
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str):
         """An official FLUX.1 transformer .safetensors (flux1-dev / flux1-schnell): the model from its keys."""
         if Path(path).suffix != ".safetensors":
             return None
-        from safetensors import safe_open
-
         with safe_open(path, "pt") as f:
             keys = set(f.keys())
             if "double_blocks.0.img_attn.qkv.weight" not in keys:
@@ -204,13 +278,13 @@ class FluxFamily(ImageDiffusionFamily):
         settings = dict(dataset="captions", image_size=1024, num_classes=0)  # the VAE, T5 and CLIP: from flags
         return ({**settings, "model": name} if name else settings), None
 
-    def sampling_config(self, settings: dict, flags: dict):
-        missing = [k for k in ("vae", "t5", "clip") if {**settings, **flags}.get(k) is None]
+    def sampling_config(self, cfg, given: set[str]):
+        missing = [k for k in ("vae", "t5", "clip") if k not in given]
         if missing:
             raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in missing)} "
                              f"(local folders; a FLUX.1 repository folder holds vae/, text_encoder/ and "
                              f"text_encoder_2/: --vae DIR/vae --t5 DIR --clip DIR)")
-        return super().sampling_config(settings, flags)
+        return super().sampling_config(cfg, given)
 
     def conditions(self, sample_cfg, cfg) -> list:
         if sample_cfg.class_labels:
@@ -224,19 +298,17 @@ class FluxFamily(ImageDiffusionFamily):
         return prompts
 
     def make_sampler(self, sample_cfg, cfg) -> FluxSampler:
-        sample_cfg = self.sample_defaults(sample_cfg, cfg)
-        size = cfg.image_size // (8 if cfg.vae.lower() != "none" else 1)  # FLUX's autoencoder downsamples 8x
+        size = cfg.image_size // (1 if is_none(cfg.vae) else 8)  # FLUX's autoencoder downsamples 8x
         timesteps = flux_schedule(sample_cfg.num_sampling_steps, (size // 2) ** 2,
-                                  shift=TIME_SHIFT.get(cfg.model, True))
-        guidance = sample_cfg.guidance if FLUX_CONFIGS[cfg.model]["guidance_embed"] else None
+                                  shift=self.constant(cfg.model, "time_shift"))
+        guidance = sample_cfg.guidance if self.models[cfg.model].arch["guidance_embed"] else None
         return FluxSampler(timesteps, guidance)
 
     @torch.no_grad()
     def sample_latents(self, loaded, sampler: FluxSampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
         """Latents [n, C, h, w] for global indices: Euler steps on the schedule; noise from (seed, first index)."""
-        sample_cfg = self.sample_defaults(sample_cfg, loaded.cfg)
         model, enc = loaded.model, loaded.encoders
-        gen = torch.Generator().manual_seed(sample_cfg.seed * 1_000_003 + indices.start)
+        gen = sampling_generator(sample_cfg.seed, indices.start)
         n, (c, h, w) = len(indices), loaded.latent_shape
         z = torch.randn(n, c, h, w, generator=gen).to(device)
         txt, vec = enc.encode([conditions[i % len(conditions)] for i in indices], device)
@@ -253,31 +325,43 @@ class FluxFamily(ImageDiffusionFamily):
 
         return unpack_latents(euler_sample(velocity, pack_latents(z), sampler.timesteps, sampler.progress), h, w)
 
-    @torch.no_grad()
-    def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
-        out = self.sample_latents(loaded, sampler, indices, conditions, sample_cfg, device)
-        vae = loaded.encoders.vae
-        images = decode(vae, out, scale=loaded.cfg.vae_scale, shift=FLUX_VAE_SHIFT) if vae is not None else \
-            out.clamp(-1, 1)
-        return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    # ---- previews ------------------------------------------------------------------------------------------
+    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+        prompts = preview_prompts(dataset, rows)
+        if not prompts:
+            raise ValueError(f"--sample_every: {cfg.model} samples from prompts, but the training data has no "
+                             f"captions to take them from")
+        return prompts
 
-    def writer(self, out_dir, sample_cfg, cfg) -> ImageWriter:
-        return ImageWriter(Path(out_dir), npz=sample_cfg.npz)
+    def preview_encoders(self, cfg, encoders: FluxEncoders, conditions: list, dataset) -> FluxEncoders:
+        """The prompts' (and the empty caption's) T5 and CLIP embeddings: encoded now, or read from a cache."""
+        captions = [*conditions, ""]
+        if encoders.t5 is not None and encoders.clip is not None:
+            t5, clip = FixedEmbeddings.encode(encoders.t5, captions), FixedEmbeddings.encode(encoders.clip, captions)
+        else:  # a cache: the embeddings stored with each prompt's first item, and the empty caption's
+            index = {c: i for i, c in distinct_captions(dataset, len(conditions) * 4)}
+            items = {c: dataset[index[c]] for c in conditions}  # ((mean, std), label, caption, t5, clip)
+            empty = encoders.empty if encoders.empty is not None else empty_embeddings(dataset)
+            t5 = FixedEmbeddings({**{c: item[3].float() for c, item in items.items()}, "": empty[0].float().cpu()})
+            clip = FixedEmbeddings({**{c: item[4].float() for c, item in items.items()}, "": empty[1].float().cpu()})
+        return FluxEncoders(vae=encoders.vae, t5=t5, clip=clip)
 
     # ---- caching -------------------------------------------------------------------------------------------
     def resolve_cache_config(self, cfg):
         if cfg.model is not None and cfg.model not in self.models:
             raise ValueError(f"--model {cfg.model} is not a FLUX model; valid: {', '.join(self.models)}")
-        return dataclasses.replace(cfg, t5_max_length=cfg.t5_max_length or T5_MAX_LENGTH.get(cfg.model, 512))
+        cfg = super().resolve_cache_config(cfg)
+        return dataclasses.replace(cfg, t5_max_length=cfg.t5_max_length or self.constant(cfg.model, "t5_max_length"))
 
     def cache_encoders(self, cfg, device) -> FluxEncoders:
         return self.load_encoders(cfg, device, training=False)
 
+    def cache_dataset_options(self, cfg, spec) -> dict:
+        return {"channels": 3}
+
     def cache_source(self, cfg, encoders):
         """(image [3, H, W] in [-1, 1], label (the digit, or 0), caption) per item, no random flips."""
-        if cfg.dataset == "latents":
-            raise ValueError("--dataset latents is already a cache; encode captioned_digits or a captions folder")
-        return _Labelled(build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, channels=3))
+        return _Labelled(super().cache_source(cfg, encoders))
 
     @torch.no_grad()
     def cache_encode(self, encoders: FluxEncoders, x, captions=None) -> dict:
@@ -311,18 +395,3 @@ class _Labelled(torch.utils.data.Dataset):
     def __getitem__(self, i):
         image, caption = self.dataset[i]
         return image, int(self.labels[i]) if self.labels is not None else 0, caption
-
-
-def shard_for_plugin(t5, plugin: str):
-    """Under the FSDP plugins (zero3, fsdp, hsdp) each rank holds a shard of T5's blocks (T5-XXL: 9.5 GB in
-    bf16); CLIP (0.25 GB) stays replicated. Forward-only: no gradients, the blocks reshard after use."""
-    import torch.distributed as dist
-
-    if plugin not in ("zero3", "fsdp", "hsdp") or not dist.is_initialized() or dist.get_world_size() == 1:
-        return t5
-    from torch.distributed.fsdp import fully_shard
-
-    for block in t5.model.encoder.block:
-        fully_shard(block)
-    fully_shard(t5.model)
-    return t5

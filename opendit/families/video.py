@@ -9,22 +9,26 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
+import torch.nn as nn
 
-from opendit.data import build_dataset
-from opendit.encoders.text import load_text_encoder, text_encoder_dim
-from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
 from opendit.checkpoint import load_weights
-from opendit.families.base import ModelSpec, match_registry
-from opendit.families.image import ImageDiffusionFamily, latent_geometry
+from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.diffusion.objective import DiffusionObjective
+from opendit.encoders.text import FixedEmbeddings, load_text_encoder, text_encoder_dim
+from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
+from opendit.families.base import ModelSpec, match_registry, preview_prompts
+from opendit.families.gaussian import (GaussianDiffusionFamily, GaussianSampleOptions, GaussianTrainOptions,
+                                      official_shapes)
+from opendit.families.latent import is_none, latent_geometry
 from opendit.families.writers import VideoWriter
+from opendit.models.blocks import is_per_sample_layer
+from opendit.models.dit import DIT_SIZES
 from opendit.models.latte import Latte
+from opendit.models.layers import Attention
 from opendit.models.vdit import VDiT
-from opendit.training.objective import DiffusionObjective
-
-# (depth, hidden, heads), as DiT's; Latte's depth counts spatial and temporal blocks together
-_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+from opendit.options import opt
+from opendit.perf import matmul_macs
 
 
 def _spec(name, ctor, depth, hidden, heads, patch):
@@ -33,18 +37,41 @@ def _spec(name, ctor, depth, hidden, heads, patch):
 
 VIDEO_MODELS = {
     **{f"VDiT-{s}/{p}": _spec(f"VDiT-{s}/{p}", VDiT, d, h, n, tuple(int(v) for v in p.split("x")))
-       for s, (d, h, n) in _SIZES.items() for p in ("1x2x2", "2x2x2")},
+       for s, (d, h, n) in DIT_SIZES.items() for p in ("1x2x2", "2x2x2")},
     **{f"Latte-{s}/{p}": _spec(f"Latte-{s}/{p}", Latte, d, h, n, p)
-       for s, (d, h, n) in _SIZES.items() for p in (2, 4, 8)},
+       for s, (d, h, n) in DIT_SIZES.items() for p in (2, 4, 8)},
     "VDiT-debug": _spec("VDiT-debug", VDiT, 2, 64, 4, (1, 2, 2)),
     "Latte-debug": _spec("Latte-debug", Latte, 2, 64, 4, 2),
 }
+
+CLIP_HELP = ("a local CLIP text encoder folder (transformers save_pretrained layout, or a pipeline folder with "
+             "text_encoder/)")
+
+
+@dataclass
+class VideoTrainOptions(GaussianTrainOptions):
+    num_frames: int | None = opt(None, "frames per clip; default: a latent cache's, else 16", check="positive")
+    frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
+                                     check="positive")
+    clip: str = opt("none", CLIP_HELP + "; captions then condition instead of class labels")
+
+
+@dataclass
+class VideoSampleOptions(GaussianSampleOptions):
+    clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
+    fps: int = opt(8, "frames per second of the MP4s and the GIF", check="positive")
+
+
+@dataclass
+class VideoCacheOptions:
+    num_frames: int = opt(16, "frames per clip", check="positive")
+    frame_interval: int = opt(1, "take every k-th frame of the source video", check="positive")
 
 
 @dataclass
 class VideoEncoders:
     vae: torch.nn.Module | None  # None: pixel space, or training on cached latents
-    text: object | None  # opendit.encoders.CLIPTextEncoder; None: class labels condition
+    text: object | None  # a CLIPTextEncoder (or FixedEmbeddings); None: class labels condition
 
 
 class VideoDiffusionObjective(DiffusionObjective):
@@ -74,11 +101,44 @@ class VideoDiffusionObjective(DiffusionObjective):
         return x, {"text": self.text([("" if d else c) for c, d in zip(captions, drop)]).to(device)}
 
 
-class VideoDiffusionFamily(ImageDiffusionFamily):
+def video_forward_macs(model: nn.Module) -> int:
+    """Multiply-accumulates of one forward pass for ONE clip of a video model (VDiT, Latte), from its layers.
+
+    N = T'·S tokens per clip. A token-wise Linear(in, out) costs N * in * out, a per-sample one (timestep MLP,
+    adaLN modulation, text projection) in * out, the patch conv N * weight.numel(), and each attention layer
+    2 * L^2 * D per sequence of length L, as the model lays its sequences out (`attention_sequences()`):
+    VDiT one sequence of T'·S tokens; Latte T' sequences of S (spatial blocks) and S sequences of T' (temporal).
+    Latte evaluates the adaLN modulation once per frame / per position (its condition rows are repeated);
+    model FLOPs count it once per clip, as the convention counts only what the model needs.
+    """
+    seqs = getattr(model, "attention_sequences", None)
+    if seqs is None:
+        raise ValueError(f"{type(model).__name__} has no attention_sequences(); video_forward_macs counts VDiT and "
+                         f"Latte (opendit.models.vdit / latte); image DiT: opendit.families.dit.dit_forward_macs")
+    seqs = seqs()
+    tokens = seqs[0][0] * seqs[0][1]
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(attn) != len(seqs) or any(n * L != tokens for n, L in seqs):
+        raise ValueError(f"{type(model).__name__}.attention_sequences() {seqs} does not cover its {len(attn)} "
+                         f"attention layers with {tokens} tokens each")
+    macs = matmul_macs(model, lambda name: 1 if is_per_sample_layer(name) else tokens)
+    return macs + sum(n * 2 * L * L * m.num_heads * m.head_dim for m, (n, L) in zip(attn, seqs))
+
+
+def video_train_flops_per_sample(model: nn.Module) -> float:
+    """Training FLOPs per clip (3 passes x 2 FLOP x forward MACs) of a built VDiT or Latte (meta device is fine)."""
+    return 3 * 2 * float(video_forward_macs(model))
+
+
+class VideoDiffusionFamily(GaussianDiffusionFamily):
     name = "video"
     models = VIDEO_MODELS
-    datasets = ("moving_digits", "video_csv", "latents")
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     cache_keys = ("num_frames", "frame_interval")
+    checkpoint_formats = ("an official Latte .pt",)
+    train_options = VideoTrainOptions
+    sample_options = VideoSampleOptions
+    cache_options = VideoCacheOptions
     default_num_frames, default_frame_interval = 16, 1
 
     def patch_size(self, cfg) -> int:
@@ -90,32 +150,30 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
         return patch[0] if isinstance(patch, tuple) else 1
 
     # ---- configuration and data ---------------------------------------------------------------------------
-    def _defaults(self, cfg):
-        cfg = dataclasses.replace(super()._defaults(cfg), num_frames=cfg.num_frames or self.default_num_frames,
+    def fill_defaults(self, cfg):
+        cfg = dataclasses.replace(super().fill_defaults(cfg), num_frames=cfg.num_frames or self.default_num_frames,
                                   frame_interval=cfg.frame_interval or self.default_frame_interval)
         if cfg.num_frames < 1 or cfg.frame_interval < 1:
             raise ValueError(f"--num_frames {cfg.num_frames} and --frame_interval {cfg.frame_interval} must be >= 1")
         return cfg
 
     def load_encoders(self, cfg, device, training: bool) -> VideoEncoders:
-        skip_vae = training and cfg.dataset == "latents"
+        skip_vae = training and self.dataset_spec(cfg).cache
         return VideoEncoders(vae=None if skip_vae else load_vae(cfg.vae, device),
                              text=load_text_encoder(cfg.clip, device))
 
+    def dataset_options(self, cfg, encoders, spec) -> dict:
+        if spec.cache:
+            return {"seed": cfg.global_seed}
+        return dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=cfg.global_seed,
+                    channels=self.source_channels(cfg, encoders))
+
     def load_data(self, cfg, encoders: VideoEncoders):
-        kwargs = {"seed": cfg.global_seed}
-        if cfg.dataset != "latents":
-            kwargs.update(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval,
-                          channels=3 if encoders.vae is not None else self._pixel_channels(cfg))
-        dataset = build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, **kwargs)
+        dataset, cfg = super().load_data(cfg, encoders)
         if encoders.text is None and not dataset.num_classes:
             raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has captions but no labels; pass "
                              f"--clip <a local CLIP text encoder folder> to condition on them")
-        return dataset, self._resolve_classes(cfg, dataset)
-
-    @staticmethod
-    def _pixel_channels(cfg) -> int:
-        return 1 if cfg.dataset == "moving_digits" else 3
+        return dataset, cfg
 
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
@@ -124,7 +182,7 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
         if cached is not None:
             shape = tuple(cached)
         else:
-            channels = getattr(dataset, "channels", None) or data_channels or self._pixel_channels(cfg)
+            channels = getattr(dataset, "channels", None) or data_channels or self.pixel_channels(cfg)
             size, in_channels = latent_geometry(cfg.image_size, encoders.vae, channels, self.patch_size(cfg))
             shape = (in_channels, cfg.num_frames, size, size)
         pt, p = self.temporal_patch(cfg), self.patch_size(cfg)
@@ -142,8 +200,6 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
                                             text_dim=text_dim)
 
     def train_flops_per_sample(self, model) -> float:
-        from opendit.perf import video_train_flops_per_sample
-
         return video_train_flops_per_sample(model)
 
     def objective(self, cfg, encoders: VideoEncoders) -> VideoDiffusionObjective:
@@ -158,21 +214,16 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
         state = load_weights(path, mmap=True)  # keys and shapes only: the tensors stay on disk
         if "temp_embed" not in state:
             return None
-        hidden, patch = state["pos_embed"].shape[-1], state["x_embedder.proj.weight"].shape[-1]
-        depth = sum(1 for k in state if k.endswith(".attn.qkv.weight"))
-        name = match_registry(VIDEO_MODELS, depth=depth, hidden_size=hidden, patch_size=patch)
-        side = int(state["pos_embed"].shape[1] ** 0.5) * patch
-        in_channels = state["x_embedder.proj.weight"].shape[1]
-        settings = dict(dataset="video_csv", vae="stabilityai/sd-vae-ft-ema", image_size=side * 8,
-                        num_frames=state["temp_embed"].shape[1],
-                        # Latte's unconditional releases (FaceForensics, SkyTimelapse, Taichi) have no y_embedder
-                        num_classes=state["y_embedder.embedding_table.weight"].shape[0] - 1
-                        if "y_embedder.embedding_table.weight" in state else 0,
-                        learn_sigma=state["final_layer.linear.weight"].shape[0] == 2 * in_channels * patch * patch)
+        found = official_shapes(state)  # Latte's unconditional releases (FaceForensics, ...) have 0 classes
+        name = match_registry(VIDEO_MODELS, depth=found["depth"], hidden_size=found["hidden_size"],
+                              patch_size=found["patch_size"])
+        settings = dict(dataset="video_csv", vae="stabilityai/sd-vae-ft-ema", image_size=found["latent_side"] * 8,
+                        num_frames=state["temp_embed"].shape[1], num_classes=found["num_classes"],
+                        learn_sigma=found["learn_sigma"])
         return ({**settings, "model": name} if name else settings), None
 
     def conditions(self, sample_cfg, cfg) -> list:
-        if cfg.clip.lower() == "none":
+        if is_none(cfg.clip):
             if sample_cfg.prompts:
                 raise ValueError(f"--prompts: {cfg.model} was trained on class labels; pass --class_labels")
             if not cfg.num_classes:  # an unconditional model (e.g. an official unconditional Latte)
@@ -198,27 +249,36 @@ class VideoDiffusionFamily(ImageDiffusionFamily):
             return super().null_inputs(loaded, n, device)
         return {"text": loaded.encoders.text([""]).to(device).expand(n, -1)}
 
-    @torch.no_grad()
-    def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
-        """Clips for global indices -> uint8 [n, T, H, W, C] (decoded frame by frame by the VAE if any)."""
-        z = self.sample_latents(loaded, sampler, indices, conditions, sample_cfg, device)  # [n, C, T, h, w]
+    def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
+        """Latent clips [n, C, T, h, w] -> clips in [-1, 1], decoded frame by frame by the VAE if any."""
         vae = loaded.encoders.vae
-        video = decode_frames(vae, z, loaded.cfg.vae_scale) if vae is not None else z.clamp(-1, 1)
-        return ((video + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1).cpu().numpy()
+        return decode_frames(vae, latents, loaded.cfg.vae_scale) if vae is not None else latents.clamp(-1, 1)
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps)
+
+    # ---- previews ------------------------------------------------------------------------------------------
+    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+        if is_none(cfg.clip):
+            return super().preview_conditions(cfg, dataset, rows)
+        prompts = preview_prompts(dataset, rows)
+        if not prompts:
+            raise ValueError(f"--sample_every: {cfg.model} samples from prompts, but the training data has no "
+                             f"captions to take them from")
+        return prompts
+
+    def preview_encoders(self, cfg, encoders: VideoEncoders, conditions: list, dataset) -> VideoEncoders:
+        if encoders.text is None:
+            return encoders
+        return dataclasses.replace(encoders, text=FixedEmbeddings.encode(encoders.text, [*conditions, ""]))
 
     # ---- caching -------------------------------------------------------------------------------------------
     def cache_encoders(self, cfg, device) -> VideoEncoders:
         return VideoEncoders(vae=load_vae(cfg.vae, device), text=None)  # captions are stored as text
 
-    def cache_source(self, cfg, encoders):
-        """The clips preprocess.py encodes: one fixed clip per video (epoch 0's start), 3 channels."""
-        if cfg.dataset == "latents":
-            raise ValueError("--dataset latents is already a cache; encode moving_digits or a video_csv")
-        return build_dataset(cfg.dataset, cfg.data_path, cfg.image_size, num_frames=cfg.num_frames,
-                             frame_interval=cfg.frame_interval, seed=0, channels=3)
+    def cache_dataset_options(self, cfg, spec) -> dict:
+        """One fixed clip per video (epoch 0's start), 3 channels."""
+        return dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=0, channels=3)
 
     @torch.no_grad()
     def cache_encode(self, encoders, x, captions=None):  # captions are stored as text

@@ -7,6 +7,15 @@ from opendit import kernels
 from opendit.models.layers import Attention, Mlp
 from opendit.parallel import SequenceParallel
 
+# Layers applied once per sample (to the condition vector c [B, D] or a pooled text embedding) rather than to every
+# token, by the names the DiT-style models (DiT, VDiT, Latte) give them; FLOP counts take one row for these.
+PER_SAMPLE_LAYERS = ("t_embedder", "adaLN_modulation", "text_embedder")
+
+
+def is_per_sample_layer(name: str) -> bool:
+    """Whether the module called `name` (a state_dict path) sits in a per-sample layer (PER_SAMPLE_LAYERS)."""
+    return any(part.startswith(PER_SAMPLE_LAYERS) for part in name.split("."))
+
 
 class AdaLNNorm(nn.Module):
     """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""

@@ -205,18 +205,10 @@ def _config_to_kwargs(config: dict, folder: str) -> dict:
             "num_classes": config["num_embeds_ada_norm"], "learn_sigma": out_ch == 2 * in_ch}
 
 
-def _registry_name(kwargs: dict) -> str | None:
-    """The registered name whose (depth, hidden, heads, patch) match, e.g. "DiT-XL/2"; None when none does."""
-    from opendit.families.base import match_registry
-    from opendit.families.dit import DIT_MODELS
-
-    return match_registry(DIT_MODELS, **{k: kwargs[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")})
-
-
 def load_diffusers_dit(path: str) -> tuple[dict, dict]:
-    """Read a diffusers DiT folder -> ({"name": registry name or None, "kwargs": DiT constructor kwargs},
-    our state_dict). `path` is a model folder (config.json + diffusion_pytorch_model*.safetensors) or a pipeline
-    folder holding transformer/. `DiT(**spec["kwargs"])` loads the state_dict with strict=True."""
+    """Read a diffusers DiT folder -> (DiT constructor kwargs, our state_dict). `path` is a model folder
+    (config.json + diffusion_pytorch_model*.safetensors) or a pipeline folder holding transformer/.
+    `DiT(**kwargs)` loads the state_dict with strict=True."""
     folder = _model_dir(os.fspath(path))
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
@@ -231,4 +223,4 @@ def load_diffusers_dit(path: str) -> tuple[dict, dict]:
     if config.get("norm_eps", 1e-5) != 1e-6:
         log.info("%s: diffusers runs its MLP LayerNorm with eps=%s; our DiT uses DiT's 1e-6 (tiny output change)",
                  folder, config.get("norm_eps", 1e-5))
-    return {"name": _registry_name(kwargs), "kwargs": kwargs}, converted
+    return kwargs, converted

@@ -8,6 +8,7 @@ from .fused_backward import attach_fused_backward
 LEAN = {"adamw": AdamW, "nadamw": NAdamW, "adan": Adan}
 TORCH = ("torch_adamw", "adafactor")
 OPTIMIZERS = tuple(LEAN) + TORCH
+OPTIMIZER_NAMES = ("adamw", "nadamw", "adan", "adafactor")  # train.py's --optimizer (adamw: torch's or opendit's)
 
 
 def build_optimizer(params, name: str = "adamw", lr: float = 1e-4, betas=None, eps=None,

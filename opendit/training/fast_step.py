@@ -40,17 +40,18 @@ def compile_model(model: nn.Module, target: str | None, backend: str = "inductor
 class TrainStep:
     """loss -> backward -> (clip) -> optimizer step, for one batch on one device.
 
-    loss_fn(model, x, cond) -> scalar loss, e.g. DiffusionObjective().loss (cond: the model's keyword inputs,
-    {"y": labels} for DiT). The model is converted in place (dtype, input/output casts, compile).
+    objective: its losses(model, x, cond) give the per-sample losses whose mean is minimised, e.g.
+    opendit.diffusion.objective.DiffusionObjective() (cond: the model's keyword inputs, {"y": labels} for DiT).
+    The model is converted in place (dtype, input/output casts, compile).
     Call: step(x, cond) -> the detached loss (no host sync).
     """
 
-    def __init__(self, model: nn.Module, loss_fn, precision: str = "bf16_master", lr: float = 1e-4,
+    def __init__(self, model: nn.Module, objective, precision: str = "bf16_master", lr: float = 1e-4,
                  weight_decay: float = 0.0, fused_adamw: bool = True, compile: str | None = None,
                  compile_backend: str = "inductor", compile_mode: str | None = None, grad_clip: float = 0.0):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is unknown; choose one of {PRECISIONS}")
-        self.model, self.loss_fn, self.precision, self.grad_clip = model, loss_fn, precision, grad_clip
+        self.model, self.objective, self.precision, self.grad_clip = model, objective, precision, grad_clip
         self.device_type = next(model.parameters()).device.type
         params = [p for p in model.parameters() if p.requires_grad]
         if precision == "bf16_master":
@@ -71,7 +72,7 @@ class TrainStep:
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.precision == "autocast_bf16"):
-            loss = self.loss_fn(self.model, x, cond)
+            loss = self.objective.losses(self.model, x, cond)[0].mean()
         loss.backward()
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)

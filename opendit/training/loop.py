@@ -1,13 +1,11 @@
 """The training loop in three levels: `train` (resume, cadence), `train_step` (accumulation, clipping, step,
-EMA) and the objective's `loss` (what one micro-batch costs). Everything model-specific comes from the model
-family of --model (opendit.families): data, encoders, model, objective and FLOP count."""
+EMA) and the objective's `losses` (what one micro-batch costs). Everything model-specific comes from the model
+family of --model (opendit.families): data, encoders, model, objective, FLOP count and previews."""
 import dataclasses
 import logging
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -15,9 +13,7 @@ from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
 from opendit.booster.precision import set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
-                                resolve_checkpoint, load_into_meta_model, load_weights, rng_state, save_checkpoint,
-                                set_rng_state)
-from opendit.checkpoint_integrity import record_files
+                                load_into_meta_model, new_run_dir, record_files, resolve_checkpoint, save_checkpoint)
 from opendit.data import count_skipped
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
@@ -26,12 +22,13 @@ from opendit.kernels import configure_kernels
 from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter
+from opendit.seeding import rng_state, seed_everything, set_rng_state
 from opendit.training.guard import PeerTimeoutError, StepGuard, is_timeout
 from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
                                         prepare_boosted_optimizer, validate_optimizer)
 from opendit.training.preview import Previewer, gather_preview_weights
-from opendit.training.validation import BUILT_IN_DATASETS, BucketSums, TrainingPart, Validator, holdout, spread
-from opendit.training.run_log import RunLogger, new_run_dir, setup_logging
+from opendit.training.validation import BucketSums, TrainingPart, Validator, holdout, spread
+from opendit.training.run_log import RunLogger, setup_logging
 
 logger = logging.getLogger("opendit")
 
@@ -41,12 +38,6 @@ def sync_rng(group) -> None:
     state = [rng_state()]
     dist.broadcast_object_list(state, group_src=0, group=group)
     set_rng_state(state[0])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def micro_batches(x: torch.Tensor, cond: dict, n: int) -> list[tuple[torch.Tensor, dict]]:
@@ -142,8 +133,8 @@ class Trainer:
             if cfg.init_weights:  # no random init of what the file replaces (12B parameters take minutes)
                 with torch.device("meta"):
                     model = self.family.build_model(cfg, shape)
-                load_into_meta_model(model, load_weights(cfg.init_weights), f"--init_weights {cfg.init_weights}",
-                                     keep_dtype=cfg.master_weights != "fp32")
+                load_into_meta_model(model, self.family.load_weights(cfg.init_weights),
+                                     f"--init_weights {cfg.init_weights}", keep_dtype=cfg.master_weights != "fp32")
             else:
                 model = self.family.build_model(cfg, shape)
         check_model_contract(model, cfg.model)
@@ -164,7 +155,7 @@ class Trainer:
         if not cfg.val_every:
             return self.dataset
         if cfg.val_data_path:
-            if cfg.dataset in BUILT_IN_DATASETS:
+            if self.family.datasets[cfg.dataset].built_in:
                 raise ValueError(f"--val_data_path with --dataset {cfg.dataset}: the built-in data has no path; leave "
                                  f"it out and --val_samples {cfg.val_samples} items are held out of training")
             val_data, _ = self.family.load_data(dataclasses.replace(cfg, data_path=cfg.val_data_path), self.encoders)

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from opendit.booster import PLUGINS
-from opendit.optim import FORMATS, MASTER_MODES, LeanOptimizer, attach_fused_backward, build_optimizer
+from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES, LeanOptimizer, attach_fused_backward, build_optimizer
 
-OPTIMIZER_NAMES = ("adamw", "nadamw", "adan", "adafactor")
 SHARDED_PLUGINS = tuple(name for name, plugin in PLUGINS.items() if plugin.sharded)
 
 

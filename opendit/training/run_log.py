@@ -2,7 +2,6 @@
 status (a self-redrawing line on a terminal, a heartbeat line a minute into a log file)."""
 import json
 import logging
-import re
 import resource
 import sys
 import time
@@ -44,16 +43,6 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True,
                         handlers=[_StatusAwareHandler(sys.stderr)])
-
-
-def new_run_dir(outputs: str, model_name: str) -> Path:
-    """outputs/NNN-<model>: the next free number, created now (call on rank 0 only)."""
-    root = Path(outputs)
-    root.mkdir(parents=True, exist_ok=True)
-    numbers = [int(m.group(1)) for p in root.iterdir() if (m := re.match(r"(\d+)-", p.name))]
-    run = root / f"{max(numbers, default=-1) + 1:03d}-{model_name.replace('/', '-')}"
-    run.mkdir()
-    return run
 
 
 def memory_metrics(device: torch.device) -> dict:

@@ -37,9 +37,6 @@ def holdout(num_items: int, num_val: int, seed: int) -> tuple[list[int], list[in
     return sorted(order[num_val:]), sorted(order[:num_val])
 
 
-BUILT_IN_DATASETS = ("digits", "moving_digits", "captioned_digits")  # they have no path to validate apart
-
-
 class TrainingPart(torch.utils.data.Subset):
     """The training data less the held-out items; passes set_epoch on (random flips depend on the epoch)."""
 

@@ -7,9 +7,13 @@ BaseException carrying each rank's error) comes out as the plain error inside it
 import argparse
 import os
 import pickle
+import warnings
+from contextlib import contextmanager
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from opendit.checkpoint.manifest import CheckpointCorruptError
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -63,10 +67,17 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 def _corrupt(what: str) -> ValueError:
-    from opendit.checkpoint_integrity import CheckpointCorruptError
-
     return CheckpointCorruptError(f"{what}; pass an earlier step folder (--load latest and --load auto skip "
                                   f"checkpoints that fail verification), or copy the file again")
+
+
+@contextmanager
+def quiet_single_process():
+    """DCP warns on every save/load without a process group; single-process runs are intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
 
 
 def _first_line(e: BaseException) -> str:
@@ -114,7 +125,5 @@ def load_torch_file(path: str, mmap: bool = False):
         raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to unpickle it "
                          f"({_first_line(e)})") from None
     except (RuntimeError, EOFError) as e:
-        from opendit.checkpoint_integrity import CheckpointCorruptError
-
         raise CheckpointCorruptError(f"{path} is not a readable torch file ({_first_line(e)}): truncated or "
                                      f"corrupt; copy or download it again") from None

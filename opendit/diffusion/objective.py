@@ -1,6 +1,6 @@
 """Gaussian diffusion (IDDPM) as a training objective: what a batch of images (or cached latents) and labels
-means, and what one micro-batch costs. The image families use it; a new objective (rectified flow) is a
-sibling with the same two methods (opendit.families.base.Objective)."""
+means, and what one micro-batch costs. The Gaussian-diffusion families use it; another objective (FLUX's
+rectified flow) is a sibling with the same two methods (the contract: opendit.families.base.Objective)."""
 import torch
 
 from opendit.diffusion import create_diffusion
@@ -29,10 +29,6 @@ class DiffusionObjective:
         if self.vae is not None:
             x = encode(self.vae, x, scale=self.vae_scale)
         return x, cond
-
-    def loss(self, model, x, cond: dict) -> torch.Tensor:
-        """Mean MSE + VLB loss over the micro-batch; t and noise come from the (checkpointed) global RNG."""
-        return self.losses(model, x, cond)[0].mean()
 
     def losses(self, model, x, cond: dict, t_frac: torch.Tensor | None = None,
                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
