@@ -62,8 +62,9 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
     def flush():
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
+            embeddings = [k for k in arrays if k not in (*ARRAYS, *FLIP_ARRAYS, "label", "caption")]
             shards.append({**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
-                           "captions": "caption" in arrays, "embeddings": [k for k in arrays if k not in (*ARRAYS, *FLIP_ARRAYS, "label", "caption")]})
+                           "captions": "caption" in arrays, "embeddings": embeddings})
         buf.clear()
 
     for *item, ok in loader:

@@ -2,7 +2,7 @@
 T5 and CLIP encoders), sample from prompts naming each digit ("a handwritten seven"), and ask an independent
 classifier (trained on real digits only) which digit each sample shows.
 
-    python benchmarks/flux_quality.py                      # the README figure (at most 20 minutes on 2 CPU cores)
+    python benchmarks/flux_quality.py                      # the docs/flux.md figure (at most 20 min on 2 CPU cores)
     python benchmarks/flux_quality.py --max_steps 20 --samples_per_digit 2 --sampling_steps 5     # smoke run
 
 Prints: the classifier's accuracy on real held-out digits, and the share of samples showing the digit their

@@ -2,7 +2,7 @@
 EMA, and ask an independent classifier (trained on real digit frames only) which digit each frame shows; check
 that the digit moves smoothly, as the real ones do.
 
-    python benchmarks/video_quality.py                     # the README figure (at most 20 minutes on 2 CPU cores)
+    python benchmarks/video_quality.py                     # the docs/video.md figure (at most 20 min on 2 CPU cores)
     python benchmarks/video_quality.py --max_steps 20 --samples_per_class 2 --sampling_steps 10   # smoke run
 
 Prints: the classifier's accuracy on real held-out frames and on the generated frames (target >= 80%), and the

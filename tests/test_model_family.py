@@ -1,7 +1,6 @@
 """The model-family seam: a family defined in tests/ (tests/toy_family.py, unconditional) trains, checkpoints,
-resumes and samples through the real Trainer and sample.py; registry and contract errors are clear."""
-import json
-import os
+resumes and samples through the real Trainer and sample.py; every registered family's model meets the contract;
+registry and contract errors are clear. (Through the entry scripts under OPENDIT_FAMILIES: test_text_family.py.)"""
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+import tests.text_family  # noqa: F401  (registers the "shapes" family)
 import tests.toy_family  # noqa: F401  (registers the "toy" family)
 from opendit import config as cfglib
 from opendit.families import FAMILIES, ModelFamily, ModelSpec, check_model_contract, family_of, register_family
@@ -49,16 +49,6 @@ def test_unconditional_family_refuses_class_labels(tmp_path):
                                         out=str(tmp_path / "s")))
 
 
-def test_entry_scripts_find_a_family_named_in_the_environment(tmp_path):
-    env = {**os.environ, "OPENDIT_FAMILIES": "tests.toy_family", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "train.py", "--model", "Toy-S", "--image_size", "8", "--batch_size", "8",
-                          "--max_steps", "2", "--log_every", "1", "--num_workers", "0", "--outputs", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    log = (tmp_path / "000-Toy-S" / "log.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in log] == [1, 2]
-
-
 def test_registry_lookups_and_errors():
     assert family_of("DiT-XL/2").name == "dit" and family_of("Toy-S").name == "toy"
     with pytest.raises(ValueError, match="unknown model 'Nope'; valid names: .*DiT-S/2.*Toy-S"):
@@ -70,6 +60,46 @@ def test_registry_lookups_and_errors():
     with pytest.raises(ValueError, match="already belong to family 'dit'"):
         register_family(Clash())
     assert "clash" not in FAMILIES
+
+
+def smallest(family) -> str:
+    return min(family.models, key=lambda n: family.models[n].arch["hidden_size"] * family.models[n].arch["depth"])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_model_meets_the_contract(name, tmp_path):
+    """The smallest model of each registered family, built through its family on its first built-in dataset,
+    answers what shared code calls: block lists (for the booster), set_kernels (the attention backend switch
+    keeps the loss), enable_sequence_parallel(None); its forward runs through the family's own objective."""
+    from torch.utils.data import default_collate
+
+    from opendit.booster.parallelize import iter_blocks
+    from tests.test_flux_family import tiny_text_encoders
+
+    family = FAMILIES[name]
+    t5, clip = tiny_text_encoders(tmp_path, words="all")
+    dataset_name = next(n for n, spec in family.datasets.items() if spec.built_in)
+    cfg = family.resolve_config(cfglib.TrainConfig(model=smallest(family), dataset=dataset_name, image_size=16,
+                                                   clip=clip, t5=t5, num_frames=2, t5_max_length=16))
+    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
+    dataset, cfg = family.load_data(cfg, encoders)
+    torch.manual_seed(0)
+    model = family.build_model(cfg, family.latent_shape(cfg, encoders, dataset)).eval()
+    check_model_contract(model, cfg.model)
+    assert len(list(iter_blocks(model))) >= 2
+    objective = family.objective(cfg, encoders)
+    batch = default_collate([dataset[i] for i in range(2)])
+    x, cond = objective.prepare(batch, torch.device("cpu"), train=False)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    fixed = dict(t_frac=torch.tensor([0.3, 0.7]), noise=noise)
+    with torch.no_grad():
+        sdpa = objective.losses(model, x, cond, **fixed)[0]
+        model.set_kernels(attn_backend="math")
+        math = objective.losses(model, x, cond, **fixed)[0]
+        model.set_kernels()
+    torch.testing.assert_close(math, sdpa, rtol=1e-5, atol=1e-6)
+    assert sdpa.shape == (2,) and torch.isfinite(sdpa).all()
+    assert model.enable_sequence_parallel(None) is None
 
 
 def test_model_contract_check_names_what_is_missing():

@@ -2,7 +2,7 @@
 interpolate_bilinear_2d_like_tensorflow1x from torch_fidelity/interpolate_compat_tensorflow.py), copied so that FID
 runs where torch-fidelity is not installed: every FID package on PyPI (torch-fidelity, pytorch-fid, clean-fid)
 declares torchvision, which this module never uses, and installing it would replace the project's pinned torch.
-opendit.eval.inception prefers the installed library and uses this copy only without it; a test checks the two agree
+opendit.eval.features prefers the installed library and uses this copy only without it; a test checks the two agree
 where both are present.
 
 Copyright 2020 Anton Obukhov; portions from pytorch-fid (Copyright Maximilian Seitzer). Licensed under the Apache

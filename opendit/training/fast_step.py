@@ -1,4 +1,4 @@
-"""A fast single-device DiT training step: bf16 weights + fp32 master, fused AdamW, per-block compile.
+"""A fast single-device training step: bf16 weights + fp32 master, fused AdamW, per-block compile.
 
 Three precisions, all optimizing the same fp32 values:
   "fp32":          fp32 weights, fp32 math (TF32 matmuls when the caller enables them): the published DiT recipe.
