@@ -24,7 +24,7 @@ from opendit.data import DigitsDataset  # noqa: E402
 from opendit.inference import complete_sample_config, load_model  # noqa: E402
 
 # The demo recipe of train_img.sh (RECIPE=digits): keep the two in step.
-RECIPE = dict(model="DiT-Ti/4", image_size=16, batch_size=64, lr=1e-3, ema_decay=0.995, max_steps=2000)
+RECIPE = dict(model="DiT-Ti/4", image_size=8, batch_size=64, lr=1e-3, ema_decay=0.995, max_steps=1000)
 
 
 def train_classifier(image_size: int):

@@ -17,6 +17,8 @@ Imports nothing heavy: torch.distributed is only touched when something else alr
 import os
 import sys
 
+from opendit import config as cfglib
+
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                PermissionError)
 TRACEBACK_ENV = "OPENDIT_TRACEBACK"
@@ -104,8 +106,6 @@ def _wait_for_rank0(dist, line: str) -> None:
 
 def parse_config(cls, description: str | None, argv=None):
     """The config of an entry script from its command line; argparse's errors as one line, exit status 2."""
-    from opendit import config as cfglib
-
     parser = cfglib.build_parser(cls, description)
     parser.error = lambda text: fail(f"{text} (see {parser.prog} --help)", hint=False)
     return cfglib.from_args(cls, parser.parse_args(argv))

@@ -26,3 +26,14 @@ def test_flux_quality_smoke(tmp_path):
               "--sampling_steps", "2", "--outputs", tmp_path)
     result = result_of(out)
     assert 0 <= result["prompted_digit_accuracy"] <= 1 and result["samples"] == 10
+
+
+@pytest.mark.slow
+def test_digits_quality_curve_smoke(tmp_path):
+    """--eval_every scores each saved checkpoint: the quality-vs-steps curve the demo recipe was chosen by."""
+    out = cli("benchmarks/digits_quality.py", "--max_steps", "4", "--eval_every", "2", "--batch_size", "8",
+              "--samples_per_class", "1", "--sampling_steps", "2", "--outputs", tmp_path)
+    result = result_of(out)
+    assert [c["steps"] for c in result["checkpoints"]] == [2, 4] and result["samples"] == 10
+    assert all(0 <= c["generated_class_accuracy"] <= 1 for c in result["checkpoints"])
+    assert "| 4 |" in out.stdout

@@ -197,7 +197,7 @@ class ShapesFamily(GaussianDiffusionFamily):
         return {"text": loaded.encoders.text([""]).to(device).expand(n, -1)}
 
     def preview_conditions(self, cfg, dataset, rows: int) -> list:
-        return preview_prompts(dataset, rows)
+        return preview_prompts(dataset, rows, cfg.model)
 
     def preview_encoders(self, cfg, encoders, conditions, dataset) -> ShapesEncoders:
         return dataclasses.replace(encoders, text=encoders.text or WordEncoder(cfg.word_dim))

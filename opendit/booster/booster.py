@@ -24,7 +24,8 @@ from opendit.booster.mesh import build_mesh, dp_coordinates
 from opendit.booster.plugins import Plugin
 from opendit.booster.precision import DynamicLossScaler
 from opendit.booster import parallelize as par
-from opendit.distributed import local_tensor, unwrap_model
+from opendit.data import ResumableDataLoader, build_dataloader
+from opendit.distributed import init_distributed, local_tensor, unwrap_model
 
 logger = logging.getLogger("opendit")
 
@@ -34,7 +35,6 @@ class Booster:
         self.plugin = plugin
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            from opendit.distributed import init_distributed
             init_distributed()
         world = dist.get_world_size()
         plugin.validate(world)
@@ -76,7 +76,6 @@ class Booster:
         return model, optimizer, dataloader, lr_scheduler
 
     def _shard_loader(self, loader: DataLoader, seed: int) -> DataLoader:
-        from opendit.data import ResumableDataLoader, build_dataloader
         if isinstance(loader, ResumableDataLoader):
             s = loader.sampler
             if (s.num_replicas, s.rank) != (self.dp_size, self.dp_rank):

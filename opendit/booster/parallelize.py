@@ -12,6 +12,8 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from opendit.kernels import probe_optional_imports
+
 
 def iter_blocks(model: nn.Module) -> Iterator[nn.Module]:
     """The repeated blocks, in forward order, from the lists named by the model's `_block_lists`."""
@@ -43,7 +45,6 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> int:
 
 def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
     """torch.compile each block separately: blocks repeat, so one compiled graph is reused."""
-    from opendit.kernels import probe_optional_imports
     probe_optional_imports()  # a first probe inside a compiled block would force one recompile
     for block in iter_blocks(model):
         block.compile(backend=backend, mode=mode)

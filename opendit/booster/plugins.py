@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from opendit.booster import parallelize as par
 from opendit.booster.mesh import mesh_shape, shard_mesh
 from opendit.booster.precision import PRECISIONS, cast_forward_io, compute_dtype, fsdp_policy, params_in_dtype
+from opendit.optim import BlockSwap
 
 
 def validate_parallel_config(plugin: str, world_size: int, dp_replicate: int = 1, sp_size: int = 1,
@@ -126,7 +127,6 @@ class DDPPlugin(Plugin):
             # One process has nothing to all-reduce; DDP would only add buckets holding every gradient (which
             # a fused backward pass exists to avoid). Weights move in place, so the optimizer's references hold.
             if self.blocks_to_swap:
-                from opendit.optim import BlockSwap
                 self.block_swap = BlockSwap(model, self.blocks_to_swap, device=self.device)  # places the model
             else:
                 model.to(self.device)

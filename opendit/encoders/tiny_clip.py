@@ -9,6 +9,8 @@ import argparse
 
 import torch
 
+from opendit.data.captions import DIGIT_CAPTION_WORDS
+
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 # the words of the moving-digits captions ("the digit 3 moving up-left"), so the demo's tokens are all known
 DEMO_WORDS = ["the", "digit", "moving", "up", "down", "left", "right", "-", *map(str, range(10))]
@@ -20,8 +22,6 @@ def demo_words(words) -> list[str]:
     captioned digits', opendit.data.captions.DIGIT_CAPTION_WORDS) or "all" (both)."""
     if not isinstance(words, str):
         return list(words)
-    from opendit.data.captions import DIGIT_CAPTION_WORDS
-
     named = {"moving_digits": DEMO_WORDS, "digits": list(DIGIT_CAPTION_WORDS),
              "all": [*DEMO_WORDS, *DIGIT_CAPTION_WORDS]}
     if words not in named:

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from opendit.encoders.tiny_clip import WORD_SETS, demo_words
+from opendit.encoders.tiny_clip import WORD_SETS, demo_words, save_tiny_clip
 
 SPECIAL = ["<pad>", "</s>", "<unk>"]  # T5's ids 0, 1, 2
 
@@ -56,6 +56,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(save_tiny_t5(args.folder, words=args.words, d_model=args.d_model))
     if args.clip:
-        from opendit.encoders.tiny_clip import save_tiny_clip
-
         print(save_tiny_clip(args.clip, words=args.words, hidden_size=args.clip_hidden_size))

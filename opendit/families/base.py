@@ -110,13 +110,16 @@ class LoadedModel:
     weights: str  # where the weights came from
 
 
-def preview_prompts(dataset, rows: int) -> list[str]:
-    """Prompts for a preview grid: the dataset's own (its preview_prompts(k), e.g. the captioned digits' "a
-    handwritten zero" ...), else its first distinct captions; [] when it has no captions."""
+def preview_prompts(dataset, rows: int, model: str) -> list[str]:
+    """Up to `rows` prompts for the preview grid of a model trained on captions: the dataset's own (its
+    preview_prompts(k), e.g. the captioned digits' "a handwritten zero" ...), else its first distinct captions;
+    a ValueError when it has none."""
     own = getattr(dataset, "preview_prompts", None)
-    if callable(own):
-        return list(own(rows))
-    return [c for _, c in distinct_captions(dataset, rows)] if dataset is not None else []
+    prompts = list(own(rows)) if callable(own) else [c for _, c in distinct_captions(dataset, rows)]
+    if not prompts:
+        raise ValueError(f"--sample_every: {model} samples from prompts, but the training data has no captions to "
+                         f"take them from")
+    return prompts
 
 
 class ModelFamily:

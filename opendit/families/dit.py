@@ -3,6 +3,10 @@
 Besides opendit's own checkpoints, sampling and --init_weights read what the DiT release and diffusers publish:
 an official `.pt` (DiT-XL-2-256x256.pt) implies DiT-XL/2, 1000 classes and sd-vae-ft-ema; a diffusers DiT folder
 (facebook/DiT-XL-2-256, or its transformer/) brings its settings in its config.json and is converted on load.
+
+What the model's forward takes: forward(x [B, C, h, w] latents, t [B] timesteps in 0..999, y [B] labels, num_classes
+the null class) -> [B, 2C or C, h, w] (eps, and the variance values with learn_sigma); forward_with_cfg(x, t, y,
+cfg_scale) on [cond half; uncond half].
 """
 from pathlib import Path
 

@@ -327,11 +327,7 @@ class FluxFamily(LatentImageFamily):
 
     # ---- previews ------------------------------------------------------------------------------------------
     def preview_conditions(self, cfg, dataset, rows: int) -> list:
-        prompts = preview_prompts(dataset, rows)
-        if not prompts:
-            raise ValueError(f"--sample_every: {cfg.model} samples from prompts, but the training data has no "
-                             f"captions to take them from")
-        return prompts
+        return preview_prompts(dataset, rows, cfg.model)
 
     def preview_encoders(self, cfg, encoders: FluxEncoders, conditions: list, dataset) -> FluxEncoders:
         """The prompts' (and the empty caption's) T5 and CLIP embeddings: encoded now, or read from a cache."""

@@ -4,6 +4,9 @@ Latte (spatial and temporal attention alternating; the official class-conditiona
 or captions through a frozen CLIP text encoder (--clip) whose pooled embedding joins the timestep embedding.
 The 2-D VAE encodes and decodes frame by frame. Sampling writes one MP4 per sample, a PNG strip per sample,
 grid.png / grid.gif, and with --npz a uint8 [N, T, H, W, 3] array.
+
+What the models' forward takes: forward(x [B, C, T, h, w], t [B], y [B] labels) or, trained on captions,
+forward(x, t, text=[B, D] pooled CLIP) -> [B, 2C or C, T, h, w]; forward_with_cfg(..., cfg_scale) on [cond; uncond].
 """
 import dataclasses
 from dataclasses import dataclass
@@ -261,11 +264,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     def preview_conditions(self, cfg, dataset, rows: int) -> list:
         if is_none(cfg.clip):
             return super().preview_conditions(cfg, dataset, rows)
-        prompts = preview_prompts(dataset, rows)
-        if not prompts:
-            raise ValueError(f"--sample_every: {cfg.model} samples from prompts, but the training data has no "
-                             f"captions to take them from")
-        return prompts
+        return preview_prompts(dataset, rows, cfg.model)
 
     def preview_encoders(self, cfg, encoders: VideoEncoders, conditions: list, dataset) -> VideoEncoders:
         if encoders.text is None:
