@@ -4,7 +4,7 @@ The checkpoint's model family decides the noise, the conditioning, the sampler a
 images/NNNNNN.png, grid.png; video: videos/NNNNNN.mp4, strips/, grid.gif; with --npz samples.npz).
 
     python sample.py --ckpt latest --num_samples 20                       # newest checkpoint under ./outputs
-    python sample.py --ckpt outputs/000-DiT-Ti-4/checkpoints/step-002000 --cfg_scale 2 --sampler ddim \\
+    python sample.py --ckpt outputs/000-DiT-Ti-4/checkpoints/step-001000 --cfg_scale 2 --sampler ddim \\
         --num_sampling_steps 50
     torchrun --nproc_per_node 4 sample.py --ckpt DiT-XL-2-256x256.pt --image_size 256 --cfg_scale 4 --npz
     python sample.py --ckpt latest --prompt "a handwritten seven"         # a model trained on captions

@@ -22,7 +22,7 @@ import yaml
 
 from opendit.booster import PLUGINS, PRECISIONS
 from opendit.data.latents import CACHE_DTYPES
-from opendit.families import FAMILIES, all_datasets, all_models, all_samplers
+from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
 from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES
 from opendit.options import check_value, choices_of, help_of, opt
 from opendit.parallel import KINDS
@@ -313,6 +313,15 @@ def from_args(cls, args: argparse.Namespace):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def run_settings(cfg) -> dict:
+    """A training config as a run records it (config.yaml, the checkpoint, the EMA export's sidecar): the shared
+    options and those of its model's family only, so a process that lacks another family's module reads it."""
+    options = family_of(cfg.model).train_options
+    names = {f.name for f in dataclasses.fields(TrainOptions)} | \
+        ({f.name for f in dataclasses.fields(options)} if options is not None else set())
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
 
 
 def save_yaml(cfg, path) -> None:

@@ -41,6 +41,10 @@ def test_its_option_and_dataset_join_the_flags():
     assert family.resolve_config(cfglib.TrainConfig(model="Shapes-S", dataset="shapes")).word_dim == 16
     with pytest.raises(ValueError, match="--word_dim 0: must be an integer > 0"):
         cfglib.check_config(cfglib.TrainConfig(model="Shapes-S", dataset="shapes", word_dim=0))
+    # a run records the shared options and its own family's only: a process without this module reads a DiT run
+    dit, shapes = (cfglib.run_settings(cfglib.TrainConfig(model=m)) for m in ("DiT-S/2", "Shapes-S"))
+    assert "learn_sigma" in dit and "word_dim" not in dit and "t5" not in dit
+    assert "word_dim" in shapes and "t5" not in shapes and set(dit) < set(shapes)
 
 
 @pytest.mark.slow

@@ -231,7 +231,7 @@ class Trainer:
                 name = f"config-from-{Path(self.resume_from).name}.yaml"
             else:
                 run, name = new_run_dir(self.cfg.outputs, self.cfg.model), "config.yaml"
-            cfglib.save_yaml(self.cfg, run / name)
+            cfglib.save_yaml(cfglib.run_settings(self.cfg), run / name)
         else:
             run = None
         return Path(broadcast_object(str(run) if run else None))
@@ -385,15 +385,16 @@ class Trainer:
         return bad
 
     def save(self) -> None:
-        extra = {"data": self.loader.state_dict(), "config": cfglib.to_dict(self.cfg)}
+        settings = cfglib.run_settings(self.cfg)
+        extra = {"data": self.loader.state_dict(), "config": settings}
         if self.booster.scaler is not None:
             extra["loss_scaler"] = self.booster.scaler.state_dict()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
                                lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last)
         if self.ema is not None:  # without one, sample.py reads the checkpoint's weights
-            export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": cfglib.to_dict(self.cfg)})
+            export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": settings})
         if self.dist.rank == 0:
-            cfglib.save_yaml(self.cfg, Path(path) / "config.yaml")
+            cfglib.save_yaml(settings, Path(path) / "config.yaml")
             record_files(path, ["config.yaml"])  # into the checkpoint's manifest, so a load verifies it too
         dist.barrier()
         self.last_checkpoint = path
