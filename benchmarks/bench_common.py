@@ -1,7 +1,9 @@
-"""Helpers the throughput benchmarks share (imported from benchmarks/, beside them)."""
+"""Helpers the benchmarks share (imported from benchmarks/, beside them)."""
 import gc
 import math
+import time
 
+import numpy as np
 import torch
 
 
@@ -27,3 +29,19 @@ def fmt(v, spec=".1f") -> str:
 def failure_status(e: Exception) -> str:
     """A failed variant's status cell: the exception's type and first line."""
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def sample_checkpoint(sample_cfg, conditions: list, n: int, chunk: int = 50) -> tuple[np.ndarray, float]:
+    """n samples of a checkpoint on the CPU, sample i conditioned on conditions[i % len(conditions)], as sample.py
+    makes them (its family's defaults fill what sample_cfg leaves out) -> (uint8 samples, seconds of sampling)."""
+    from opendit.inference import complete_sample_config, load_model
+
+    device = torch.device("cpu")
+    loaded = load_model(sample_cfg, device)
+    family = loaded.family
+    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
+    sampler = family.make_sampler(sample_cfg, loaded.cfg)
+    t0 = time.time()
+    samples = np.concatenate([family.sample_batch(loaded, sampler, range(s, min(s + chunk, n)), conditions,
+                                                  sample_cfg, device) for s in range(0, n, chunk)])
+    return samples, time.time() - t0

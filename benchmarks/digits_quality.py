@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import DigitsDataset  # noqa: E402
-from opendit.inference import complete_sample_config, load_model  # noqa: E402
+from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
 
 # The demo recipe of train_img.sh (RECIPE=digits): keep the two in step.
 RECIPE = dict(model="DiT-Ti/4", image_size=8, batch_size=64, lr=1e-3, ema_decay=0.995, max_steps=1000)
@@ -45,18 +45,11 @@ def score(ckpt: Path, clf, a) -> tuple[float, float]:
     """(share of samples the classifier names right, sampling seconds) of one checkpoint's EMA."""
     sample_cfg = cfglib.SampleConfig(ckpt=str(ckpt), cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
                                      sampler="ddpm", seed=a.seed)
-    device = torch.device("cpu")
-    loaded = load_model(sample_cfg, device)
-    family = loaded.family
-    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
-    sampler, labels = family.make_sampler(sample_cfg, loaded.cfg), list(range(10))
-    n = 10 * a.samples_per_class
-    t0 = time.time()
-    images = np.concatenate([family.sample_batch(loaded, sampler, range(s, min(s + 50, n)), labels, sample_cfg, device)
-                             for s in range(0, n, 50)])
+    labels, n = list(range(10)), 10 * a.samples_per_class
+    images, seconds = sample_checkpoint(sample_cfg, labels, n)
     wanted = np.array([labels[i % 10] for i in range(n)])
     x = images.reshape(n, -1).astype(np.float32) / 127.5 - 1.0  # same scaling as the real digits
-    return float((clf.predict(x) == wanted).mean()), time.time() - t0
+    return float((clf.predict(x) == wanted).mean()), seconds
 
 
 def main():

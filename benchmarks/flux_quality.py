@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.digits_quality import train_classifier  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.captions import DIGIT_WORDS  # noqa: E402
-from opendit.inference import complete_sample_config, load_model  # noqa: E402
+from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
 
 
 def encoders(folder: Path) -> tuple[str, str]:
@@ -72,16 +71,8 @@ def main():
     prompts = [f"a handwritten {word}" for word in DIGIT_WORDS]
     sample_cfg = cfglib.SampleConfig(ckpt=ckpt, cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
                                      seed=a.seed, prompts=prompts)
-    device = torch.device("cpu")
-    loaded = load_model(sample_cfg, device)
-    family = loaded.family
-    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
-    sampler = family.make_sampler(sample_cfg, loaded.cfg)
     n = 10 * a.samples_per_digit
-    t1 = time.time()
-    images = np.concatenate([family.sample_batch(loaded, sampler, range(s, min(s + 50, n)), prompts, sample_cfg,
-                                                 device) for s in range(0, n, 50)])
-    sample_s = time.time() - t1
+    images, sample_s = sample_checkpoint(sample_cfg, prompts, n)
     wanted = np.array([i % 10 for i in range(n)])
     x = images.reshape(n, -1).astype(np.float32) / 127.5 - 1.0  # same scaling as the real digits
 

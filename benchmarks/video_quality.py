@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import MovingDigitsDataset  # noqa: E402
-from opendit.inference import complete_sample_config, load_model  # noqa: E402
+from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
 
 
 def frames_and_labels(ds, clips, frames_per_clip=None):
@@ -102,16 +101,8 @@ def main():
 
     sample_cfg = cfglib.SampleConfig(ckpt=str(ckpt), cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
                                      sampler=a.sampler, seed=a.seed)
-    device = torch.device("cpu")
-    loaded = load_model(sample_cfg, device)
-    family = loaded.family
-    sample_cfg = complete_sample_config(family, sample_cfg, loaded.cfg)
-    sampler, labels = family.make_sampler(sample_cfg, loaded.cfg), list(range(10))
-    n = 10 * a.samples_per_class
-    t1 = time.time()
-    clips = np.concatenate([family.sample_batch(loaded, sampler, range(s, min(s + 20, n)), labels, sample_cfg, device)
-                            for s in range(0, n, 20)])  # uint8 [n, T, S, S, 3]
-    sample_s = time.time() - t1
+    labels, n = list(range(10)), 10 * a.samples_per_class
+    clips, sample_s = sample_checkpoint(sample_cfg, labels, n, chunk=20)  # uint8 [n, T, S, S, 3]
     grey = clips[..., 0].astype(np.float32) / 255.0  # [n, T, S, S] in [0, 1]
     wanted = np.repeat([labels[i % 10] for i in range(n)], a.num_frames)
 
