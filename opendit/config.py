@@ -24,7 +24,7 @@ from opendit.booster import PLUGINS, PRECISIONS
 from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
 from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES
-from opendit.options import check_value, choices_of, help_of, opt
+from opendit.options import check_value, choices_of, default_of, help_of, opt
 from opendit.parallel import KINDS
 
 
@@ -211,7 +211,7 @@ def _family_fields(part: str) -> tuple[list, dict]:
             continue
         hints = typing.get_type_hints(options)
         for f in dataclasses.fields(options):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = default_of(f)
             kind, first, first_default, helps = found.setdefault(f.name, [hints[f.name], f, default, []])
             if kind != hints[f.name] or first_default != default:
                 raise TypeError(f"option --{f.name} of family {family.name!r} ({hints[f.name]}, default {default!r})"
@@ -281,7 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         if f.name in sections:
             group = parser.add_argument_group(sections[f.name])
-        hint, default = hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        hint, default = hints[f.name], default_of(f)
         kind = hint
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # "X | None" -> X
             kind = next(a for a in typing.get_args(hint) if a is not type(None))
@@ -356,47 +356,3 @@ def check_config(cfg) -> list[str]:
         warnings.append("--mixed_precision fp16 without a CUDA GPU runs under CPU autocast, slower than fp32; on a "
                         "CPU use fp32 (or bf16)")
     return warnings
-
-
-# ---- the flag reference (docs/flags.md) -------------------------------------------------------------------------
-SCRIPTS = (("train.py", "TrainConfig"), ("sample.py", "SampleConfig"), ("preprocess.py", "PreprocessConfig"))
-
-
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("%%", "%").replace("|", "\\|")
-
-
-def flags_markdown() -> str:
-    """docs/flags.md: every flag of train.py, sample.py and preprocess.py with its default and help, by section,
-    for the families registered now (`python -m opendit.config > docs/flags.md` writes it)."""
-    lines = ["# Flags", "", "Every flag of the entry scripts, by section, with its default. Written by "
-             "`python -m opendit.config > docs/flags.md` from the options themselves (a test keeps it current). A "
-             "family's own options are listed under it; a flag a family does not use is ignored for its models.", ""]
-    for script, name in SCRIPTS:
-        cls = config_class(name)
-        sections, rows = getattr(cls, "SECTIONS", {}), None
-        lines += [f"## {script}", ""]
-        for f in dataclasses.fields(cls):
-            if f.name in sections or rows is None:
-                lines += ([""] if rows is not None else []) + [f"### {sections.get(f.name, 'options')}", "",
-                                                             "| flag | default | meaning |", "|---|---|---|"]
-                rows = []
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            choices = choices_of(f)
-            meaning = help_of(f) + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
-            flags = ", ".join(f"`{flag}`" for flag in [f"--{f.name}", *f.metadata.get("aliases", ())])
-            shown = "-" if default in (None, []) else f"`{default}`" if default != "" else '`""`'
-            if f.name == "dataset":
-                meaning = "the data (see Datasets below)"
-            lines.append(f"| {flags} | {_cell(shown)} | {_cell(meaning)} |")
-            rows.append(f.name)
-        lines.append("")
-    lines += ["## Datasets", "", "| `--dataset` | families | `--data_path` | what it is |", "|---|---|---|---|"]
-    for name, spec in all_datasets().items():
-        families = ", ".join(f.name for f in FAMILIES.values() if name in f.datasets)
-        lines.append(f"| `{name}` | {families} | {_cell(spec.path or 'none: built in')} | {_cell(spec.help)} |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(flags_markdown(), end="")

@@ -4,6 +4,7 @@ The shared options (opendit.config) and every model family's own (its `train_opt
 `cache_options` dataclasses) are declared with `opt`, so one declaration gives the default, the `--help` line,
 the argparse choices, the check that refuses a bad value before any work starts, and the flag docs.
 """
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import field
@@ -33,6 +34,11 @@ def opt(default=None, help: str | Callable[[], str] = "", choices: Sequence | Ca
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def default_of(f):
+    """A field's default value (its factory's product for list fields)."""
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def help_of(f) -> str:

@@ -37,7 +37,6 @@ FLUX_CONSTANTS = {"flux-dev": dict(t5_max_length=512, sampling_steps=50, time_sh
                   "flux-schnell": dict(t5_max_length=256, sampling_steps=4, time_shift=False),
                   "flux-debug": dict(t5_max_length=16, sampling_steps=50, time_shift=True)}
 FLUX_MODELS = {name: ModelSpec(name, "flux", Flux, arch, FLUX_CONSTANTS[name]) for name, arch in FLUX_CONFIGS.items()}
-DEFAULT_T5_MAX_LENGTH = 512  # when no model is named (preprocess.py without --model)
 
 T5_HELP = "a local T5 encoder folder (T5EncoderModel + tokenizer, or a pipeline folder with text_encoder_2/)"
 CLIP_HELP = "the pooled-vector CLIP-L text encoder folder (or a pipeline folder with text_encoder/), required"
@@ -202,7 +201,6 @@ class FluxFamily(LatentImageFamily):
     default_vae_scale = FLUX_VAE_SCALE
     vae_shift = FLUX_VAE_SHIFT
     default_cfg_scale = 1.0  # the guidance embedding guides; true CFG is opt-in
-    sampling_needs = ("image_size", "vae", "t5", "clip")
 
     def patch_size(self, cfg) -> int:
         return 2  # FLUX packs 2x2 latent patches into one token
