@@ -5,10 +5,13 @@
 - T5TextEncoder: captions -> T5 encoder token embeddings [B, L, D], FLUX's `txt` input (T5-XXL v1.1, L = 512
   for FLUX.1-dev, 256 for FLUX.1-schnell), computed as FLUX's HFEmbedder does: padded to max_length,
   truncated, no attention mask (FLUX was trained on the embeddings of the padded sequence).
+- UMT5TextEncoder: captions -> umt5-xxl encoder token embeddings [B, L, D], Wan2.1's text input (L = 512), computed
+  as Wan does: the encoder sees the attention mask and every position after a caption's tokens is zero.
 
 Nothing is downloaded: pass a folder written by `save_pretrained` (the model and its tokenizer together),
 or a pipeline folder laid out as black-forest-labs/FLUX.1-dev is: text_encoder/ + tokenizer/ (CLIP),
-text_encoder_2/ + tokenizer_2/ (T5). The same FLUX folder works for --clip and --t5.
+text_encoder_2/ + tokenizer_2/ (T5). The same FLUX folder works for --clip and --t5. A Wan2.1 pipeline folder
+(Wan-AI/Wan2.1-T2V-1.3B-Diffusers) holds UMT5 in text_encoder/ + tokenizer/.
 """
 import glob
 import json
@@ -30,6 +33,8 @@ T5_SOURCE = dict(flag="--t5", kind="T5 encoder", subfolders=(("text_encoder_2", 
                                                              ("text_encoder", "tokenizer")),
                  model_types=("t5",),
                  where="google/t5-v1_1-xxl, or the text_encoder_2/ + tokenizer_2/ of black-forest-labs/FLUX.1-dev")
+UMT5_SOURCE = dict(flag="--umt5", kind="UMT5 encoder", subfolders=(("text_encoder", "tokenizer"),),
+                   model_types=("umt5",), where="the text_encoder/ + tokenizer/ of Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
 
 
 def _is_none(path) -> bool:
@@ -59,9 +64,9 @@ def _has_tokenizer(folder: str) -> bool:
 
 
 def _folders(path: str, source: dict = CLIP_SOURCE, check_files: bool = True) -> tuple[str, str]:
-    """(model folder, tokenizer folder) of `source` (CLIP_SOURCE / T5_SOURCE): the folder itself, or the first
-    pipeline subfolder pair holding that kind of model. FileNotFoundError (ValueError for a config of another
-    model) naming the flag, the path and the files otherwise; check_files=False needs only the config."""
+    """(model folder, tokenizer folder) of `source` (CLIP_SOURCE / T5_SOURCE / UMT5_SOURCE): the folder itself, or
+    the first pipeline subfolder pair holding that kind of model. FileNotFoundError (ValueError for a config of
+    another model) naming the flag, the path and the files otherwise; check_files=False needs only the config."""
     flag, kind = source["flag"], source["kind"]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local {kind} folder: {_needs(source)}")
@@ -160,6 +165,52 @@ class T5TextEncoder:
         return out.last_hidden_state.float()
 
 
+class UMT5TextEncoder:
+    """captions (list of str) -> UMT5 encoder token embeddings float32 [B, max_length, dim], frozen, no gradients.
+
+    As Wan2.1 and diffusers' WanPipeline: whitespace collapsed (Wan's ftfy / HTML clean-up is not applied), padded
+    (or truncated) to max_length tokens, EOS included; the encoder sees the attention mask; each caption keeps its
+    real tokens (`lengths`) and every position after them is exactly zero, as Wan trims each embedding to its
+    length and its transformer zero-pads it back to text_len. A caption's embedding therefore depends neither on the
+    rest of the batch nor on max_length (beyond truncation). dtype: the weights' dtype (Wan runs umt5-xxl in bf16);
+    outputs are float32 either way. `model` is the transformers UMT5EncoderModel (its blocks: model.encoder.block).
+    """
+
+    def __init__(self, path: str, device="cpu", max_length: int = 512, dtype: torch.dtype = torch.float32):
+        from transformers import AutoTokenizer, UMT5EncoderModel  # lazy: transformers is slow to import
+
+        if int(max_length) <= 0:
+            raise ValueError(f"UMT5 max_length must be a positive int, got {max_length!r} (Wan2.1: 512)")
+        model_dir, tok_dir = _folders(path, UMT5_SOURCE)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        self.model = UMT5EncoderModel.from_pretrained(model_dir, dtype=dtype).to(device=device, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self.max_length = int(max_length)
+        self.device = torch.device(device)
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.d_model
+
+    def tokenize(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (input ids int64 [B, max_length], attention mask int64 [B, max_length]: 1 on each caption's tokens,
+        EOS included, 0 on the padding after them)."""
+        tokens = self.tokenizer([" ".join(str(c).split()) for c in captions], padding="max_length",
+                                max_length=self.max_length, truncation=True, add_special_tokens=True,
+                                return_attention_mask=True, return_tensors="pt")
+        return tokens["input_ids"], tokens["attention_mask"]
+
+    def lengths(self, captions: list[str]) -> torch.Tensor:
+        """-> int64 [B]: each caption's real tokens, EOS included (the positions of its embedding that are not 0)."""
+        return self.tokenize(captions)[1].sum(dim=1)
+
+    @torch.no_grad()
+    def __call__(self, captions: list[str]) -> torch.Tensor:
+        ids, mask = (t.to(self.device) for t in self.tokenize(captions))
+        out = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        return out.masked_fill(mask[..., None] == 0, 0.0)
+
+
 def text_encoder_dim(path) -> int | None:
     """The pooled embedding width of the CLIP text encoder at `path` (from its config.json; no weights read),
     None for None / "none"."""
@@ -185,6 +236,17 @@ def load_t5_encoder(path, device="cpu", max_length: int = 512, dtype: torch.dtyp
     return None if _is_none(path) else T5TextEncoder(str(path), device, max_length, dtype)
 
 
+def umt5_encoder_dim(path) -> int | None:
+    """The token embedding width (d_model) of the UMT5 encoder at `path` (from its config.json; no weights read),
+    None for None / "none"."""
+    return None if _is_none(path) else _config(path, UMT5_SOURCE)["d_model"]
+
+
+def load_umt5_encoder(path, device="cpu", max_length: int = 512, dtype: torch.dtype = torch.float32):
+    """A UMT5TextEncoder, or None for None / "none"."""
+    return None if _is_none(path) else UMT5TextEncoder(str(path), device, max_length, dtype)
+
+
 class FixedEmbeddings:
     """Stands in for a text encoder when only known captions will be asked for: a table caption -> embedding
     (CPU tensors) computed beforehand, e.g. a training preview's prompts, encoded once on every rank while a
@@ -196,7 +258,8 @@ class FixedEmbeddings:
 
     @classmethod
     def encode(cls, encoder, captions: list[str]) -> "FixedEmbeddings":
-        """The embeddings of `captions` (each once) by `encoder` (a CLIPTextEncoder or T5TextEncoder)."""
+        """The embeddings of `captions` (each once) by `encoder` (a CLIPTextEncoder, T5TextEncoder or
+        UMT5TextEncoder)."""
         captions = list(dict.fromkeys(captions))
         return cls(dict(zip(captions, encoder(captions).float().cpu())))
 

@@ -16,31 +16,39 @@ from opendit.encoders.tiny_clip import WORD_SETS, demo_words, save_tiny_clip
 SPECIAL = ["<pad>", "</s>", "<unk>"]  # T5's ids 0, 1, 2
 
 
-def save_tiny_t5(folder, words="digits", d_model: int = 32, layers: int = 2, max_length: int = 512,
-                 seed: int = 0) -> str:
-    """Write a T5EncoderModel (d_model wide, `layers` deep, 2 heads, gated-GELU as T5 v1.1, random weights from
-    `seed`) and a word-level tokenizer over `words` (a list, or a demo's by name as tiny_clip.demo_words takes
-    it: default "digits", the captioned digits demo's; lower-cased; unknown words map to <unk>;
-    model_max_length max_length) to `folder`; returns the folder."""
+def t5_word_tokenizer(words, max_length: int = 512):
+    """A word-level fast tokenizer with T5's conventions (<pad> = 0, </s> = 1 appended to every caption, <unk> = 2)
+    over `words` (a list, or a demo's by name as tiny_clip.demo_words takes it; lower-cased; words and punctuation
+    split; unknown words map to <unk>), model_max_length max_length. Its vocabulary size is len(tokenizer)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+    from transformers import PreTrainedTokenizerFast
 
-    if d_model % 2:
-        raise ValueError(f"d_model must be even (2 heads), got {d_model}")
     vocab = {w: i for i, w in enumerate(SPECIAL + sorted({str(w).lower() for w in demo_words(words)} - set(SPECIAL)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
                                    model_max_length=max_length)
-    config = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=layers,
-                      num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+def save_tiny_t5(folder, words="digits", d_model: int = 32, layers: int = 2, max_length: int = 512,
+                 seed: int = 0) -> str:
+    """Write a T5EncoderModel (d_model wide, `layers` deep, 2 heads, gated-GELU as T5 v1.1, random weights from
+    `seed`) and a word-level tokenizer over `words` (see t5_word_tokenizer; default "digits", the captioned digits
+    demo's) to `folder`; returns the folder."""
+    from transformers import T5Config, T5EncoderModel
+
+    if d_model % 2:
+        raise ValueError(f"d_model must be even (2 heads), got {d_model}")
+    tokenizer = t5_word_tokenizer(words, max_length)
+    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model,
+                      num_layers=layers, num_heads=2, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                      dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     torch.manual_seed(seed)
     T5EncoderModel(config).save_pretrained(folder)
-    fast.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return str(folder)
 
 

@@ -1,0 +1,150 @@
+"""Wan2.1's frozen causal 3-D VAE (diffusers AutoencoderKLWan): clips in [-1, 1] <-> normalised latents.
+
+The VAE compresses 4x in time and 8x in space, causally: the first frame alone, then 4 frames at a time, so a clip
+of 1 + 4k frames gives 1 + k latent frames of z_dim (16) channels. Latents are normalised per channel with the
+config's latents_mean / latents_std lists, as diffusers' WanPipeline does: z_norm = (z - mean) / std, and decoding
+takes z_norm * std + mean. Nothing is downloaded: pass a local folder (the vae/ of Wan-AI/Wan2.1-T2V-1.3B-Diffusers,
+or that whole pipeline folder).
+"""
+import glob
+import json
+import os
+
+import torch
+
+WAN_VAE_CLASS = "AutoencoderKLWan"
+NEEDS = (f"it needs config.json (\"_class_name\": \"{WAN_VAE_CLASS}\") and diffusion_pytorch_model*.safetensors, "
+         f"as {WAN_VAE_CLASS}.save_pretrained writes them, or a Wan pipeline folder with vae/; download the vae/ of "
+         f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers where there is network and pass that local folder")
+
+
+def _is_none(path) -> bool:
+    return path is None or str(path).strip().lower() == "none"
+
+
+def _vae_folder(path: str) -> str | None:
+    """The folder holding the VAE's config.json: `path` itself or its vae/ (a pipeline folder); None if neither."""
+    return next((f for f in (path, os.path.join(path, "vae")) if os.path.isfile(os.path.join(f, "config.json"))), None)
+
+
+def _read_config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def is_wan_vae(path) -> bool:
+    """Whether `path` is a local folder (or pipeline folder with vae/) whose config.json is an AutoencoderKLWan's;
+    False for None / "none", a hub id, a missing folder or another VAE (SD's 2-D AutoencoderKL). No weights read."""
+    folder = None if _is_none(path) else _vae_folder(str(path))
+    return folder is not None and _read_config(folder).get("_class_name") == WAN_VAE_CLASS
+
+
+def _wan_folder(path: str) -> str:
+    """The folder holding a Wan VAE's config.json; FileNotFoundError / ValueError naming --vae, the path and the
+    files otherwise."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--vae {path!r} does not exist; pass a local Wan VAE folder: {NEEDS}")
+    folder = _vae_folder(path)
+    if folder is None:
+        raise FileNotFoundError(f"--vae {path!r} has no config.json (nor vae/config.json): {NEEDS}")
+    config = _read_config(folder)
+    if config.get("_class_name") != WAN_VAE_CLASS:
+        name = config.get("_class_name") or config.get("model_type")  # a diffusers class, or a transformers model
+        raise ValueError(f"--vae {path!r}: {os.path.join(folder, 'config.json')} describes a {name!r} model, not "
+                         f"Wan's causal 3-D VAE ({WAN_VAE_CLASS}); {NEEDS}")
+    return folder
+
+
+def wan_vae_config(path) -> dict:
+    """The config.json of the Wan VAE at `path` (no weights read); the errors of load_wan_vae for a wrong path."""
+    return _read_config(_wan_folder(str(path)))
+
+
+def load_wan_vae(path, device="cpu", dtype: torch.dtype = torch.float32):
+    """-> a frozen AutoencoderKLWan in eval mode on device / dtype (no gradients), or None for None / "none" (pixel
+    space). path: a folder written by save_pretrained (config.json + weights) or a Wan pipeline folder with vae/."""
+    if _is_none(path):
+        return None
+    folder = _wan_folder(str(path))
+    if not glob.glob(os.path.join(folder, "diffusion_pytorch_model*")):
+        raise FileNotFoundError(f"--vae {str(path)!r} has no weights (no diffusion_pytorch_model*.safetensors in "
+                                f"{folder!r}): {NEEDS}")
+    from diffusers import AutoencoderKLWan  # lazy: diffusers is slow to import
+
+    vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+    vae.requires_grad_(False)
+    return vae
+
+
+def _factors(vae_or_config) -> tuple[int, int, int]:
+    """(z_dim, temporal factor, spatial factor): (16, 4, 8) for Wan2.1's VAE (diffusers' defaults where the config
+    leaves them out, as Wan2.1's does)."""
+    config = getattr(vae_or_config, "config", vae_or_config)
+    return (int(config.get("z_dim", 16)), int(config.get("scale_factor_temporal") or 4),
+            int(config.get("scale_factor_spatial") or 8))
+
+
+def wan_latent_shape(vae_or_config, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(z_dim, 1 + (T - 1) // 4, H // 8, W // 8): the latent shape of one clip of T frames of H x W pixels, given an
+    AutoencoderKLWan or its config (a dict, e.g. wan_vae_config's). ValueError naming --num_frames unless T = 1 + 4k,
+    naming --image_size unless H and W are multiples of 8."""
+    z_dim, ft, fs = _factors(vae_or_config)
+    if num_frames < 1 or (num_frames - 1) % ft:
+        low = 1 + ft * max(0, (num_frames - 1) // ft)
+        raise ValueError(f"--num_frames {num_frames}: Wan's VAE encodes clips of 1 + {ft}k frames (the first frame "
+                         f"alone, then {ft} at a time): valid counts are 1, {1 + ft}, {1 + 2 * ft}, {1 + 3 * ft}, ...; "
+                         f"use {low} or {low + ft}")
+    if height % fs or width % fs:
+        raise ValueError(f"--image_size {height}x{width}: Wan's VAE needs a height and width that are multiples of "
+                         f"{fs} (it downsamples {fs}x); use e.g. {max(fs, height // fs * fs)}x"
+                         f"{max(fs, width // fs * fs)}")
+    return z_dim, 1 + (num_frames - 1) // ft, height // fs, width // fs
+
+
+def _stats(vae, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The config's latents_mean, latents_std as float32 [1, z_dim, 1, 1, 1] on device."""
+    return tuple(torch.tensor(vae.config[key], dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+                 for key in ("latents_mean", "latents_std"))
+
+
+@torch.no_grad()
+def wan_posterior(vae, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """video float [B, 3, T, H, W] in [-1, 1] (T = 1 + 4k; H, W multiples of 8) -> the posterior's (mean, std),
+    normalised ((mean - latents_mean) / latents_std, std / latents_std), float32 [B, z_dim, 1 + k, H/8, W/8] on
+    video's device: a latent sample is mean + std * randn, what a cache stores and training draws."""
+    if video.ndim != 5 or video.shape[1] != vae.config.in_channels:
+        raise ValueError(f"video must be [B, {vae.config.in_channels}, T, H, W] in [-1, 1], got shape "
+                         f"{tuple(video.shape)}")
+    wan_latent_shape(vae, *video.shape[2:])  # checks T, H, W
+    param = next(vae.parameters())
+    posterior = vae.encode(video.to(device=param.device, dtype=param.dtype)).latent_dist
+    mean, std = _stats(vae, video.device)
+    return (posterior.mean.float().to(video.device) - mean) / std, posterior.std.float().to(video.device) / std
+
+
+@torch.no_grad()
+def wan_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents [B, z_dim, 1 + k, h, w] -> float32 clips [B, 3, 1 + 4k, 8h, 8w] in [-1, 1] on latents'
+    device (decoded from latents * latents_std + latents_mean)."""
+    z_dim = _factors(vae)[0]
+    if latents.ndim != 5 or latents.shape[1] != z_dim:
+        raise ValueError(f"latents must be [B, {z_dim}, frames, h, w], got shape {tuple(latents.shape)}")
+    mean, std = _stats(vae, latents.device)
+    param = next(vae.parameters())
+    z = (latents.float() * std + mean).to(device=param.device, dtype=param.dtype)
+    return vae.decode(z).sample.float().to(latents.device)
+
+
+def save_tiny_wan_vae(folder, seed: int = 0, z_dim: int = 16, base_dim: int = 4) -> str:
+    """Write a random AutoencoderKLWan for tests and CPU demos: Wan2.1's layout (4 levels: 8x in space, 4x in time)
+    with base_dim channels at every level and one residual block per level (22k parameters at base_dim 4), and
+    fixed latents_mean / latents_std lists of length z_dim drawn from `seed`; returns the folder."""
+    from diffusers import AutoencoderKLWan
+
+    gen = torch.Generator().manual_seed(seed)
+    mean = [round(v, 4) for v in (0.5 * torch.randn(z_dim, generator=gen)).tolist()]
+    std = [round(v, 4) for v in (0.5 + torch.rand(z_dim, generator=gen)).tolist()]
+    torch.manual_seed(seed)
+    AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, latents_mean=mean,
+                     latents_std=std).save_pretrained(folder)
+    return str(folder)
