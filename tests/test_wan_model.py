@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 from opendit import kernels
 from opendit.checkpoint import load_into_meta_model
 from opendit.families.base import DiffusionModel, check_model_contract
+from opendit.models.convert_wan_diffusers import (diffusers_config, diffusers_to_wan, load_diffusers_transformer,
+                                                  wan_config_from_diffusers, wan_to_diffusers)
 from opendit.models.wan import WAN_CONFIGS, WanModel, load_wan_weights
 from tests.wan_reference import reference_forward
 
@@ -190,3 +192,60 @@ def test_single_and_sharded_safetensors_load_strictly_into_a_meta_model(tmp_path
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(FileNotFoundError, match="one .safetensors"):
         load_wan_weights(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------- diffusers
+def _peer(model):
+    from diffusers import WanTransformer3DModel
+
+    peer = WanTransformer3DModel(**diffusers_config(TINY)).eval()
+    peer.load_state_dict(wan_to_diffusers(model.state_dict()), strict=True)
+    return peer
+
+
+@torch.no_grad()
+def test_converted_weights_give_diffusers_the_same_output(tmp_path):
+    model = tiny_wan()
+    peer = _peer(model)
+    x, t, context = wan_inputs()
+    x = torch.stack([x[0], x[0].flip(1)])  # one size: diffusers takes a batch tensor
+    context = padded(context, TINY["text_len"])
+    expected = peer(hidden_states=x, timestep=t, encoder_hidden_states=context, return_dict=False)[0]
+    got = model(x, t, context)
+    assert expected.abs().mean() > 0.3
+    # diffusers' sinusoid and RoPE run in fp32 (ours in float64, as released): about 1e-5 apart here
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+    theirs = peer.state_dict()
+    ours = diffusers_to_wan(theirs)
+    assert ours.keys() == model.state_dict().keys()
+    assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
+    back = wan_to_diffusers(ours)
+    assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in theirs)
+    assert wan_config_from_diffusers(peer.config) == {**TINY, "text_len": 512}
+
+    peer.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")  # sharded, with an index
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    (tmp_path / "model_index.json").write_text("{}")
+    for folder in (tmp_path / "transformer", tmp_path):  # the transformer folder, or its pipeline folder
+        config, state = load_diffusers_transformer(folder)
+        with torch.device("meta"):
+            loaded = WanModel(**{**config, "text_len": TINY["text_len"]})
+        load_into_meta_model(loaded, state, str(folder))
+        torch.testing.assert_close(loaded(x, t, context), got, atol=0, rtol=0)
+
+
+def test_conversion_errors_name_the_problem():
+    state = tiny_wan().state_dict()
+    with pytest.raises(ValueError, match="lora"):
+        wan_to_diffusers({**state, "blocks.0.self_attn.q.lora_A.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="'model.patch_embedding.weight'"):
+        wan_to_diffusers({f"model.{k}": v for k, v in state.items()})
+    with pytest.raises(ValueError, match="image-to-video"):
+        diffusers_to_wan({"condition_embedder.image_embedder.ff.net.0.proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="image-to-video"):
+        wan_config_from_diffusers({"_class_name": "WanTransformer3DModel", "image_dim": 1280})
+    with pytest.raises(ValueError, match="not a WanTransformer3DModel"):
+        wan_config_from_diffusers({"_class_name": "FluxTransformer2DModel"})
+    with pytest.raises(ValueError, match="qk_norm"):
+        diffusers_config({**TINY, "qk_norm": False})

@@ -23,9 +23,10 @@ RoPE table is complex128, which FSDP's mixed-precision input cast leaves alone (
 
 Switches (`set_kernels`): modulate=True runs the fused LayerNorm + modulation (norm1, norm2, the head) and the
 gated residuals; layernorm=True the LayerNorm kernel where not fused (and in the affine cross-attention norm3);
-either switch runs the q/k RMSNorm kernel. RoPE has no kernel here: the fp32 one would not be the official
-float64 math. Attention goes through opendit.kernels.attention (`attn_backend`); the padding mask of the list
-forward makes "flash" fall back to SDPA for those calls.
+either switch runs the q/k RMSNorm kernel (not FastSeq's group-wide one, below). RoPE has no kernel here: the
+fp32 one would not be the official float64 math (torch.compile leaves its complex ops to eager kernels, with a
+warning). Attention goes through opendit.kernels.attention (`attn_backend`); the padding mask of the list forward
+makes "flash" fall back to SDPA for those calls.
 
 Sequence parallelism (`enable_sequence_parallel`): the video tokens are split over the P ranks after the patch
 embedding and gathered after the head; cross-attention (local queries, the whole text) and everything else is per
@@ -169,7 +170,7 @@ class WanSelfAttention(nn.Module):
         if isinstance(norm, nn.Identity):
             return x
         h, xf = x.shape[1], x.float()
-        ss = gather_seq(xf.pow(2).sum((1, 3))[None], sp.group, dim=0, counter=sp.counter, site="fastseq").sum(0)
+        ss = gather_seq(xf.pow(2).sum((1, 3))[None], sp.group, dim=0, counter=sp.counter, site="qk_norm").sum(0)
         weight = norm.weight.view(-1, self.head_dim)[sp.rank * h:(sp.rank + 1) * h].float()
         return (xf * torch.rsqrt(ss / self.dim + norm.eps)[:, None, :, None] * weight[:, None]).to(x.dtype)
 

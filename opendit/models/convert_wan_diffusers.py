@@ -1,0 +1,117 @@
+"""Wan2.1 weights to/from diffusers' `WanTransformer3DModel` (the transformer/ folder of Wan-AI/Wan2.1-T2V-*-Diffusers).
+
+Our keys are the official release's (opendit.models.wan.WanModel). The two layouts hold the same tensors, renamed:
+
+    ours (official)                  diffusers
+    patch_embedding                  patch_embedding
+    text_embedding.{0,2}             condition_embedder.text_embedder.linear_{1,2}
+    time_embedding.{0,2}             condition_embedder.time_embedder.linear_{1,2}
+    time_projection.1                condition_embedder.time_proj
+    blocks.{i}.                      blocks.{i}.
+      modulation                       scale_shift_table
+      self_attn.{q,k,v,o}              attn1.{to_q,to_k,to_v,to_out.0}
+      self_attn.norm_{q,k}             attn1.norm_{q,k}
+      cross_attn.*                     attn2.* (as self_attn)
+      norm3 (the cross-attention's)    norm2
+      ffn.{0,2}                        ffn.net.{0.proj,2}
+    head.head                        proj_out
+    head.modulation                  scale_shift_table
+
+The modulation rows keep their order (shift, scale, gate, ...). diffusers computes the same math except for its
+fp32 timestep sinusoid and fp32 RoPE application (ours: float64, as released), ~1e-5 apart: tests/test_wan_model.py
+compares the two forwards.
+"""
+import json
+import os
+import re
+
+from opendit.models.wan import load_wan_weights
+
+_TOP = [("patch_embedding", "patch_embedding"),
+        ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+        ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+        ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+        ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+        ("time_projection.1", "condition_embedder.time_proj"),
+        ("head.head", "proj_out"), ("head.modulation", "scale_shift_table")]
+_ATTN = [("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("norm_q", "norm_q"), ("norm_k", "norm_k")]
+_BLOCK = [("modulation", "scale_shift_table"), ("norm3", "norm2"), ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2")]
+_BLOCK += [(f"{ours}.{a}", f"{theirs}.{b}") for ours, theirs in (("self_attn", "attn1"), ("cross_attn", "attn2"))
+           for a, b in _ATTN]
+
+
+def _rename(state: dict, to_diffusers: bool) -> dict:
+    side = "our" if to_diffusers else "diffusers"
+    out = {}
+    for key, value in state.items():
+        block = re.match(r"blocks\.(\d+)\.(.*)", key)
+        prefix, rest, table = (f"blocks.{block[1]}.", block[2], _BLOCK) if block else ("", key, _TOP)
+        for ours, theirs in table:
+            src, dst = (ours, theirs) if to_diffusers else (theirs, ours)
+            if rest.startswith(src) and rest[len(src):] in ("", ".weight", ".bias"):
+                out[prefix + dst + rest[len(src):]] = value
+                break
+        else:
+            raise ValueError(f"the {side} state_dict's key {key!r} has no counterpart; it is not a plain Wan2.1 "
+                             f"text-to-video transformer (image-to-video projections, LoRA weights, a wrapper prefix "
+                             f"such as 'model.'?); remove those keys first")
+    return out
+
+
+def wan_to_diffusers(state: dict) -> dict:
+    """Our (official Wan2.1) state_dict -> WanTransformer3DModel's."""
+    return _rename(state, to_diffusers=True)
+
+
+def diffusers_to_wan(state: dict) -> dict:
+    """WanTransformer3DModel's state_dict -> ours; WanModel(**wan_config_from_diffusers(config)) loads it strictly."""
+    return _rename(state, to_diffusers=False)
+
+
+def diffusers_config(wan_config: dict) -> dict:
+    """Our WanModel constructor kwargs -> WanTransformer3DModel's."""
+    cfg = dict(wan_config)
+    if cfg.get("model_type", "t2v") != "t2v" or not cfg.get("qk_norm", True):
+        raise ValueError("only the text-to-video model with q/k norms (model_type 't2v', qk_norm=True) converts: "
+                         "diffusers' WanTransformer3DModel always normalises q and k")
+    return dict(patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), num_attention_heads=cfg["num_heads"],
+                attention_head_dim=cfg["dim"] // cfg["num_heads"], in_channels=cfg.get("in_dim", 16),
+                out_channels=cfg.get("out_dim", 16), text_dim=cfg.get("text_dim", 4096),
+                freq_dim=cfg.get("freq_dim", 256), ffn_dim=cfg["ffn_dim"], num_layers=cfg["num_layers"],
+                cross_attn_norm=cfg.get("cross_attn_norm", True), qk_norm="rms_norm_across_heads",
+                eps=cfg.get("eps", 1e-6), image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
+
+
+def wan_config_from_diffusers(config) -> dict:
+    """A WanTransformer3DModel config (dict or model.config) -> our WanModel kwargs. text_len is the pipelines'
+    umT5 length, 512 (diffusers' config does not hold it)."""
+    config = dict(config)
+    cls = config.get("_class_name", "WanTransformer3DModel")
+    if cls != "WanTransformer3DModel":
+        raise ValueError(f"config describes a {cls!r}, not a WanTransformer3DModel; point at the Wan transformer (the "
+                         f"transformer/ folder of a Wan pipeline)")
+    if config.get("image_dim") or config.get("added_kv_proj_dim"):
+        raise ValueError("this WanTransformer3DModel takes image embeddings (image-to-video); only text-to-video "
+                         "Wan2.1 models convert")
+    heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
+    in_dim = config.get("in_channels", 16)
+    return dict(model_type="t2v", patch_size=tuple(config.get("patch_size", (1, 2, 2))), text_len=512, in_dim=in_dim,
+                dim=heads * head_dim, ffn_dim=config.get("ffn_dim", 13824), freq_dim=config.get("freq_dim", 256),
+                text_dim=config.get("text_dim", 4096), out_dim=config.get("out_channels") or in_dim, num_heads=heads,
+                num_layers=config.get("num_layers", 40), window_size=(-1, -1), qk_norm=True,
+                cross_attn_norm=config.get("cross_attn_norm", True), eps=config.get("eps", 1e-6))
+
+
+def load_diffusers_transformer(folder) -> tuple[dict, dict]:
+    """A diffusers WanTransformer3DModel folder (config.json + diffusion_pytorch_model.safetensors, or its shards +
+    .index.json), or a pipeline folder holding transformer/ -> (WanModel kwargs, our state_dict)."""
+    folder = os.fspath(folder)
+    if not os.path.isfile(os.path.join(folder, "config.json")) and \
+            os.path.isfile(os.path.join(folder, "transformer", "config.json")):
+        folder = os.path.join(folder, "transformer")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"{folder!r} is not a diffusers Wan transformer folder: expected config.json + "
+                                f"diffusion_pytorch_model*.safetensors, or a pipeline folder with transformer/")
+    with open(os.path.join(folder, "config.json")) as f:
+        config = wan_config_from_diffusers(json.load(f))
+    return config, diffusers_to_wan(load_wan_weights(folder))
