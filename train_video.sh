@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
-# Launch video DiT training. RECIPE=moving_digits (the built-in demo, CPU-sized: Latte-Ti/4 on 3-frame 16 px
-# clips of moving digits) or RECIPE=ucf101 (Latte's paper setting: Latte-XL/2, 16 frames every 3rd, 256 px,
-# lr 1e-4, UCF-101's 101 classes from a CSV of path,label). NGPU, MODEL and extra flags come from the
-# environment / command line:
-#   RECIPE=moving_digits bash train_video.sh                                  # CPU demo
+# Launch video DiT training. NGPU, MODEL and extra flags come from the environment / command line.
+#   RECIPE=wan_digits bash train_video.sh      # text-to-video demo on CPUs: Wan-debug on captioned 5-frame 16 px
+#                                              # moving digits, flow matching, a tiny local UMT5 made on first use
+#   RECIPE=moving_digits bash train_video.sh   # the class-conditional demo: Latte-Ti/4 on 3-frame 16 px clips
+#   RECIPE=wan_t2v_1_3b WAN=/models/Wan2.1-T2V-1.3B-Diffusers DATA=/data/clips.csv NGPU=8 bash train_video.sh
+#       # full fine-tune of Wan2.1-T2V-1.3B from a local diffusers Wan folder (transformer/, vae/, text_encoder/,
+#       # tokenizer/) on a CSV of path,caption: 33 frames at 480 px, bf16, zero2; on one GPU: NGPU=1 adds the
+#       # memory-lean options (offloaded u16 states, fused backward, block swap)
 #   RECIPE=ucf101 NGPU=8 DATA=/data/ucf101/train.csv bash train_video.sh --plugin zero2 --mixed_precision bf16
+#       # Latte's paper setting: Latte-XL/2, 16 frames every 3rd, 256 px, UCF-101's 101 classes (path,label)
 set -euo pipefail
 NGPU=${NGPU:-1}
-RECIPE=${RECIPE:-moving_digits}
+RECIPE=${RECIPE:-wan_digits}
 case "$RECIPE" in
+  wan_digits)
+    MODEL=${MODEL:-Wan-debug}
+    ENC=${ENC:-outputs/wan_demo_umt5}
+    [ -f "$ENC/config.json" ] || python -m opendit.encoders.tiny_umt5 "$ENC"
+    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 5 --vae none --umt5 "$ENC" \
+      --batch_size 32 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
+      --num_workers 0 "$@" ;;
+  wan_t2v_1_3b)
+    MODEL=${MODEL:-Wan2.1-T2V-1.3B}
+    WAN=${WAN:?set WAN to a local Wan2.1-T2V-1.3B-Diffusers folder}
+    if [ "$NGPU" -gt 1 ]; then LEAN=(--plugin zero2); else
+      LEAN=(--master_weights bf16_exact --optimizer_offload --optimizer_state_dtype u16 --fused_backward \
+            --blocks_to_swap "${SWAP:-20}"); fi
+    set -- --model "$MODEL" --init_weights "$WAN" --vae "$WAN/vae" --umt5 "$WAN" --dataset video_csv \
+      --data_path "${DATA:?set DATA to a CSV of path,caption}" --image_size 480 --num_frames 33 \
+      --batch_size "${BATCH:-1}" --lr 1e-5 --weight_decay 0 --mixed_precision bf16 --grad_checkpoint 1 \
+      "${LEAN[@]}" --ema_decay 0 --max_steps 2000 --ckpt_every 500 --log_every 10 "$@" ;;
   moving_digits)
     MODEL=${MODEL:-Latte-Ti/4}
     set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 3 --vae none --batch_size 48 \
@@ -19,7 +40,7 @@ case "$RECIPE" in
       --image_size 256 --num_frames 16 --frame_interval 3 --vae "${VAE:-stabilityai/sd-vae-ft-ema}" \
       --batch_size 40 --lr 1e-4 --weight_decay 0 --ema_decay 0.9999 --max_steps 150000 --ckpt_every 10000 \
       --log_every 100 "$@" ;;
-  *) echo "unknown RECIPE=$RECIPE (moving_digits, ucf101)" >&2; exit 2 ;;
+  *) echo "unknown RECIPE=$RECIPE (wan_digits, moving_digits, wan_t2v_1_3b, ucf101)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then
   exec torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"

@@ -3,12 +3,14 @@ EMA, and ask an independent classifier (trained on real digit frames only) which
 that the digit moves smoothly, as the real ones do.
 
     python benchmarks/video_quality.py                     # the docs/video.md figure (at most 20 min on 2 CPU cores)
+    python benchmarks/video_quality.py --recipe wan_digits  # Wan-debug on captions: digit and direction per prompt
     python benchmarks/video_quality.py --max_steps 20 --samples_per_class 2 --sampling_steps 10   # smoke run
 
 Prints: the classifier's accuracy on real held-out frames and on the generated frames (target >= 80%), and the
 digit's motion: the mean step (px per frame) and mean change of velocity (px per frame^2; bounces included) of
 its centre of mass, for real and generated clips, and the share of generated frame-to-frame steps of at most
-2 px (no jumps).
+2 px (no jumps). With --recipe wan_digits each clip is prompted with a digit and a direction ("the digit 3
+moving up and left"), and it also prints the share of clips whose digit moved the prompted way (target >= 70%).
 """
 import argparse
 import json
@@ -36,12 +38,13 @@ def frames_and_labels(ds, clips, frames_per_clip=None):
     return np.concatenate(xs), np.array(ys)
 
 
-def train_classifier(image_size, num_frames):
-    """An RBF SVM on real moving-digit frames (train split) -> (classifier, accuracy on held-out real frames)."""
+def train_classifier(image_size, num_frames, **data):
+    """An RBF SVM on real moving-digit frames (train split) -> (classifier, accuracy on held-out real frames).
+    data: the dataset options of the recipe (Wan's demo: digit_size, bounce)."""
     from sklearn.svm import SVC
 
-    train = MovingDigitsDataset(image_size, num_frames, split="train", seed=1)
-    held = MovingDigitsDataset(image_size, num_frames, split="held_out", seed=2)
+    train = MovingDigitsDataset(image_size, num_frames, split="train", seed=1, **data)
+    held = MovingDigitsDataset(image_size, num_frames, split="held_out", seed=2, **data)
     x, y = frames_and_labels(train, len(train), frames_per_clip=4)
     clf = SVC(gamma="scale", C=10.0).fit(x, y)
     xh, yh = frames_and_labels(held, 200)
@@ -63,15 +66,52 @@ def motion(clips: np.ndarray) -> dict:
             "steps_at_most_2px": float((step <= 2.0).mean())}
 
 
+# The two demo recipes (train_video.sh's): training flags, and how the quality run samples them.
+RECIPES = {
+    "moving_digits": dict(train=dict(model="Latte-Ti/4", image_size=16, num_frames=3, batch_size=48, lr=2e-3,
+                                     ema_decay=0.995, max_steps=1500),
+                          sample=dict(cfg_scale=12.0, sampling_steps=100, sampler="ddpm"), data={}),
+    "wan_digits": dict(train=dict(model="Wan-debug", image_size=16, num_frames=5, batch_size=32, lr=1e-3,
+                                  ema_decay=0.995, max_steps=2000),
+                       sample=dict(cfg_scale=None, sampling_steps=None, sampler=None),
+                       data=dict(digit_size=8, bounce=False)),
+}
+
+
+def directions_agree(clips: np.ndarray, prompts: list[str], travel: float) -> np.ndarray:
+    """clips float [n, T, S, S] in [0, 1] -> bool [n]: the centre of mass moved from the first frame to the last as
+    prompt i says, per axis: at least travel / 2 px the named way, less than that along an axis it does not name."""
+    from opendit.data.moving_digits import DIRECTIONS
+
+    unit = dict(DIRECTIONS)
+    s = clips.shape[-1]
+    grid = np.arange(s, dtype=np.float64)
+    mass = clips.sum(axis=(2, 3)) + 1e-9
+    cx = (clips.sum(axis=2) * grid).sum(axis=2) / mass
+    cy = (clips.sum(axis=3) * grid).sum(axis=2) / mass
+    moved = np.stack([cx[:, -1] - cx[:, 0], cy[:, -1] - cy[:, 0]], axis=1)  # [n, 2]
+    seen = np.where(np.abs(moved) >= travel / 2, np.sign(moved), 0)
+    wanted = np.array([unit[p.split(" moving ")[1]] for p in prompts])
+    return (seen == wanted).all(axis=1)
+
+
+def tiny_umt5(outputs: str) -> str:
+    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+
+    folder = Path(outputs) / "tiny_umt5"
+    return str(folder) if (folder / "config.json").is_file() else save_tiny_umt5(folder, max_length=16)
+
+
 def train(a) -> str:
     """Train the demo recipe -> its last checkpoint folder."""
     from opendit.training.loop import Trainer
 
+    text = {"umt5": tiny_umt5(a.outputs)} if a.recipe == "wan_digits" else {}
     train_cfg = cfglib.TrainConfig(model=a.model, dataset="moving_digits", image_size=a.image_size,
                                    num_frames=a.num_frames, vae="none", batch_size=a.batch_size, lr=a.lr,
                                    ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
                                    log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs,
-                                   global_seed=a.seed)
+                                   global_seed=a.seed, **text)
     trainer = Trainer(train_cfg)
     trainer.train()
     return str(sorted((trainer.run_dir / "checkpoints").glob("step-*"))[-1])
@@ -79,21 +119,28 @@ def train(a) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Latte-Ti/4")
-    p.add_argument("--image_size", type=int, default=16)
-    p.add_argument("--num_frames", type=int, default=3)
-    p.add_argument("--max_steps", type=int, default=1500)
-    p.add_argument("--batch_size", type=int, default=48)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--ema_decay", type=float, default=0.995)
-    p.add_argument("--samples_per_class", type=int, default=10)
-    p.add_argument("--cfg_scale", type=float, default=12.0)
-    p.add_argument("--sampling_steps", type=int, default=100)
-    p.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim"))
+    p.add_argument("--recipe", default="moving_digits", choices=tuple(RECIPES),
+                   help="moving_digits: Latte on class labels; wan_digits: Wan-debug on captions")
+    p.add_argument("--model")
+    p.add_argument("--image_size", type=int)
+    p.add_argument("--num_frames", type=int)
+    p.add_argument("--max_steps", type=int)
+    p.add_argument("--batch_size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--ema_decay", type=float)
+    p.add_argument("--samples_per_class", type=int, default=10,
+                   help="clips per digit (wan_digits: spread over the 8 directions)")
+    p.add_argument("--cfg_scale", type=float)
+    p.add_argument("--sampling_steps", type=int)
+    p.add_argument("--sampler", help="default: the recipe's (Latte ddpm; Wan the family's, unipc)")
     p.add_argument("--outputs", default="outputs/video_quality")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one")
     a = p.parse_args()
+    recipe = RECIPES[a.recipe]
+    for key, value in {**recipe["train"], **recipe["sample"]}.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
 
     t0 = time.time()
     ckpt = a.ckpt or train(a)
@@ -101,23 +148,41 @@ def main():
 
     sample_cfg = cfglib.SampleConfig(ckpt=str(ckpt), cfg_scale=a.cfg_scale, num_sampling_steps=a.sampling_steps,
                                      sampler=a.sampler, seed=a.seed)
-    labels, n = list(range(10)), 10 * a.samples_per_class
-    clips, sample_s = sample_checkpoint(sample_cfg, labels, n, chunk=20)  # uint8 [n, T, S, S, 3]
-    grey = clips[..., 0].astype(np.float32) / 255.0  # [n, T, S, S] in [0, 1]
-    wanted = np.repeat([labels[i % 10] for i in range(n)], a.num_frames)
+    n = 10 * a.samples_per_class
+    digits = [i % 10 for i in range(n)]
+    if a.recipe == "wan_digits":
+        from opendit.data.moving_digits import DIRECTIONS
 
-    clf, real_acc = train_classifier(a.image_size, a.num_frames)
+        prompts = [f"the digit {d} moving {DIRECTIONS[(i // 10) % 8][0]}" for i, d in enumerate(digits)]
+        clips, sample_s = sample_checkpoint(sample_cfg, prompts, n, chunk=20)
+    else:
+        prompts = None
+        clips, sample_s = sample_checkpoint(sample_cfg, list(range(10)), n, chunk=20)  # uint8 [n, T, S, S, 3]
+    grey = clips[..., 0].astype(np.float32) / 255.0  # [n, T, S, S] in [0, 1]
+    wanted = np.repeat(digits, a.num_frames)
+
+    clf, real_acc = train_classifier(a.image_size, a.num_frames, **recipe["data"])
     gen_acc = float((clf.predict(grey.reshape(n * a.num_frames, -1) * 2 - 1) == wanted).mean())
-    real = MovingDigitsDataset(a.image_size, a.num_frames, split="held_out", seed=3)
+    real = MovingDigitsDataset(a.image_size, a.num_frames, split="held_out", seed=3, **recipe["data"])
     real_clips = np.stack([(real[i][0][0].numpy() + 1) / 2 for i in range(n)])
-    result = dict(model=a.model, image_size=a.image_size, num_frames=a.num_frames, steps=a.max_steps,
-                  batch_size=a.batch_size, train_seconds=round(train_s, 1), sample_seconds=round(sample_s, 1),
-                  clips=n, classifier_accuracy_real_held_out_frames=round(real_acc, 4),
+    result = dict(recipe=a.recipe, model=a.model, image_size=a.image_size, num_frames=a.num_frames,
+                  steps=a.max_steps, batch_size=a.batch_size, train_seconds=round(train_s, 1),
+                  sample_seconds=round(sample_s, 1), clips=n,
+                  classifier_accuracy_real_held_out_frames=round(real_acc, 4),
                   generated_frame_accuracy=round(gen_acc, 4), motion_real=motion(real_clips),
                   motion_generated=motion(grey))
+    summary = f"classifier on real held-out frames: {real_acc:.1%}; on generated frames: {gen_acc:.1%}"
+    if prompts is not None:
+        travel = real.speed * (a.num_frames - 1)
+        real_prompts = [real.caption(i) for i in range(n)]
+        result["direction_real"] = float(directions_agree(real_clips, real_prompts, travel).mean())
+        result["direction_generated"] = float(directions_agree(grey, prompts, travel).mean())
+        summary += (f" (target >= 90%); clips moving as prompted: {result['direction_generated']:.1%} "
+                    f"(target >= 70%; real clips {result['direction_real']:.1%})")
+    else:
+        summary += " (target >= 80%)"
     print(json.dumps(result, indent=1))
-    print(f"\nclassifier on real held-out frames: {real_acc:.1%}; on generated frames: {gen_acc:.1%} "
-          f"(target >= 80%); training {train_s / 60:.1f} min, sampling {sample_s / 60:.1f} min")
+    print(f"\n{summary}; training {train_s / 60:.1f} min, sampling {sample_s / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@ def test_registry_lookups_and_errors():
 
 
 def smallest(family) -> str:
-    return min(family.models, key=lambda n: family.models[n].arch["hidden_size"] * family.models[n].arch["depth"])
+    def size(arch):  # width x depth, in the names of the opendit models or of Wan's official config
+        return arch.get("hidden_size", arch.get("dim")) * arch.get("depth", arch.get("num_layers"))
+    return min(family.models, key=lambda n: size(family.models[n].arch))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -74,13 +76,16 @@ def test_every_family_model_meets_the_contract(name, tmp_path):
     from torch.utils.data import default_collate
 
     from opendit.booster.parallelize import iter_blocks
+    from opendit.encoders.tiny_umt5 import save_tiny_umt5
     from tests.test_flux_family import tiny_text_encoders
 
     family = FAMILIES[name]
     t5, clip = tiny_text_encoders(tmp_path, words="all")
+    umt5 = save_tiny_umt5(tmp_path / "umt5", words="all", max_length=16)
     dataset_name = next(n for n, spec in family.datasets.items() if spec.built_in)
     cfg = family.resolve_config(cfglib.TrainConfig(model=smallest(family), dataset=dataset_name, image_size=16,
-                                                   clip=clip, t5=t5, num_frames=2, t5_max_length=16))
+                                                   clip=clip, t5=t5, umt5=umt5, num_frames=2,
+                                                   t5_max_length=16))
     encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
     dataset, cfg = family.load_data(cfg, encoders)
     torch.manual_seed(0)

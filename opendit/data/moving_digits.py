@@ -32,12 +32,14 @@ class MovingDigitsDataset(Dataset):
     """item = (float32 [channels, num_frames, S, S] in [-1, 1], int digit, caption), e.g.
     "the digit 3 moving up and left".
 
-    The digit is 3 * image_size // 4 pixels square (white ink on black: 0 -> -1, 16 -> 1) and moves
+    The digit is digit_size pixels square (white ink on black: 0 -> -1, 16 -> 1) and moves
     `speed` = max(1, image_size // 16) * frame_interval pixels per frame along each axis of its direction
     (frame_interval > 1 is the same motion with frames skipped, as from a video). Its start position and
     direction are a pure function of (seed, index); the caption names the direction it starts in (a bounce
     reverses the axis that hits the wall). The motions do not change with the epoch: every epoch and
-    every evaluation see the same clips. len = the number of digit scans in `split` (1797 for "all";
+    every evaluation see the same clips. digit_size: the digit's side in pixels (default 3/4 of the frame);
+    bounce=False: starts are drawn so that the whole clip stays clear of the walls, so the caption's direction
+    holds in every frame (the text-to-video demo). len = the number of digit scans in `split` (1797 for "all";
     "train" / "held_out" as digits_split's default split). channels=3 repeats the grey plane.
     """
 
@@ -45,7 +47,7 @@ class MovingDigitsDataset(Dataset):
     classes = [str(digit) for digit in range(10)]
 
     def __init__(self, image_size: int = 32, num_frames: int = 16, channels: int = 1, seed: int = 0,
-                 split: str = "all", frame_interval: int = 1):
+                 split: str = "all", frame_interval: int = 1, digit_size: int | None = None, bounce: bool = True):
         self.image_size = check_image_size(image_size)
         if self.image_size < 8:
             raise ValueError(f"moving digits need image_size >= 8 (the digit is 3/4 of the frame), got {image_size}")
@@ -60,10 +62,18 @@ class MovingDigitsDataset(Dataset):
         self.channels = channels
         self.seed = int(seed)
         self.epoch = 0
-        # 3/4 of the frame: at 16 px a 12 px digit (bicubic from its 8x8 scan, smooth), moving over 4 px
-        self.digit_size = 3 * self.image_size // 4
+        # default 3/4 of the frame: at 16 px a 12 px digit (bicubic from its 8x8 scan, smooth), moving over 4 px
+        self.digit_size = 3 * self.image_size // 4 if digit_size is None else int(digit_size)
+        if not 1 <= self.digit_size <= self.image_size:
+            raise ValueError(f"digit_size {digit_size} must lie in 1..image_size ({self.image_size})")
         self.speed = max(1, self.image_size // 16) * self.frame_interval
         self._limit = self.image_size - self.digit_size  # top-left coordinates run over 0..limit
+        self.bounce = bool(bounce)
+        if not self.bounce and self.speed * (self.num_frames - 1) > self._limit:
+            raise ValueError(f"bounce=False: {self.num_frames} frames at {self.speed} px per frame travel "
+                             f"{self.speed * (self.num_frames - 1)} px, more than the {self._limit} px the digit "
+                             f"({self.digit_size} px) has in a {self.image_size} px frame; use fewer frames or a "
+                             f"smaller digit_size")
         if split == "all":
             images, labels = _load_raw()
         else:
@@ -89,7 +99,12 @@ class MovingDigitsDataset(Dataset):
             raise IndexError(f"index {index} is outside 0..{len(self) - 1}")
         rng = np.random.default_rng(mix_seed(self.seed, index))
         words, (dx, dy) = DIRECTIONS[int(rng.integers(len(DIRECTIONS)))]
-        x0, y0 = (int(v) for v in rng.integers(0, self._limit + 1, size=2))
+        if self.bounce:
+            x0, y0 = (int(v) for v in rng.integers(0, self._limit + 1, size=2))
+        else:  # a start from which the whole clip stays inside the frame
+            travel = [self.speed * (self.num_frames - 1) * abs(d) for d in (dx, dy)]
+            x0, y0 = (int(rng.integers(0, self._limit - span + 1)) + (span if d < 0 else 0)
+                      for d, span in zip((dx, dy), travel))
         return words, (x0, y0), (dx * self.speed, dy * self.speed)
 
     def digit_position(self, index: int, frame: int):

@@ -48,6 +48,16 @@ def time_shift(mu: float, sigma: float, t):
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
 
 
+def shift_times(t, shift: float):
+    """The constant time shift of SD3 and Wan2.1, shift * t / (1 + (shift - 1) * t) (= time_shift(log(shift), 1,
+    t)): 0 -> 0, 1 -> 1, towards noise for shift > 1. t: a float, a list or a tensor."""
+    if shift <= 0:
+        raise ValueError(f"shift {shift} must be > 0 (1: no shift; Wan2.1 samples with 5)")
+    if isinstance(t, list):
+        return [shift * v / (1 + (shift - 1) * v) for v in t]
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def flux_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
             max_shift: float = 1.15) -> float:
     """The shift mu for a packed image of image_seq_len tokens: the line through (base_seq_len, base_shift) and

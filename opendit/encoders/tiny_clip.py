@@ -12,8 +12,8 @@ import torch
 from opendit.data.captions import DIGIT_CAPTION_WORDS
 
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
-# the words of the moving-digits captions ("the digit 3 moving up-left"), so the demo's tokens are all known
-DEMO_WORDS = ["the", "digit", "moving", "up", "down", "left", "right", "-", *map(str, range(10))]
+# the words of the moving-digits captions ("the digit 3 moving up and left"), so the demo's tokens are all known
+DEMO_WORDS = ["the", "digit", "moving", "up", "down", "left", "right", "and", *map(str, range(10))]
 WORD_SETS = ("moving_digits", "digits", "all")  # the demos' vocabularies by name (see demo_words)
 
 

@@ -1,6 +1,6 @@
 """Model families and the one registry of model names (see opendit.families.base for the interface).
 
-Built in: "dit" (image DiT), "video" (VDiT, Latte) and "flux" (FLUX.1); shared parts in latent.py (images
+Built in: "dit" (image DiT), "video" (VDiT, Latte), "flux" (FLUX.1) and "wan" (Wan2.1 text-to-video); shared parts in latent.py (images
 through a frozen VAE) and gaussian.py (Gaussian diffusion), sampling outputs in writers.py. A family defined
 elsewhere registers itself with `register_family(family)` when its module is imported; name such modules in the
 environment variable OPENDIT_FAMILIES (comma-separated, e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py /
@@ -14,6 +14,7 @@ from opendit.families.base import (DiffusionModel, LoadedModel, ModelFamily, Mod
 from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
+from opendit.families.wan import WanFamily
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -74,6 +75,7 @@ def all_samplers() -> tuple[str, ...]:
 register_family(DiTFamily())
 register_family(VideoDiffusionFamily())
 register_family(FluxFamily())
+register_family(WanFamily())
 for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
     importlib.import_module(_module)  # registers itself
 

@@ -7,6 +7,7 @@ names a family, dataset, encoder or sampler. docs/architecture.md walks through 
 """
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -119,6 +120,20 @@ def preview_prompts(dataset, rows: int, model: str) -> list[str]:
     if not prompts:
         raise ValueError(f"--sample_every: {model} samples from prompts, but the training data has no captions to "
                          f"take them from")
+    return prompts
+
+
+def prompt_conditions(sample_cfg, model: str) -> list[str]:
+    """The prompts of --prompts and --prompts_file (one per non-blank line) of a model trained on captions;
+    --class_labels or no prompt at all is a ValueError."""
+    if sample_cfg.class_labels:
+        raise ValueError(f"--class_labels: {model} is conditioned on captions; pass --prompts")
+    prompts = list(sample_cfg.prompts)
+    if sample_cfg.prompts_file:
+        lines = Path(sample_cfg.prompts_file).read_text(encoding="utf-8").splitlines()
+        prompts += [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"{model} samples from captions: pass --prompts \"...\" or --prompts_file")
     return prompts
 
 

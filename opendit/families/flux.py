@@ -24,7 +24,7 @@ from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, disti
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
 from opendit.encoders.text import FixedEmbeddings, load_t5_encoder, load_text_encoder, t5_encoder_dim, text_encoder_dim
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
-from opendit.families.base import ModelSpec, preview_prompts
+from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.models.flux import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
 from opendit.options import opt
@@ -285,15 +285,7 @@ class FluxFamily(LatentImageFamily):
         return super().sampling_config(cfg, given)
 
     def conditions(self, sample_cfg, cfg) -> list:
-        if sample_cfg.class_labels:
-            raise ValueError(f"--class_labels: {cfg.model} is conditioned on captions; pass --prompts")
-        prompts = list(sample_cfg.prompts)
-        if sample_cfg.prompts_file:
-            lines = Path(sample_cfg.prompts_file).read_text(encoding="utf-8").splitlines()
-            prompts += [line.strip() for line in lines if line.strip()]
-        if not prompts:
-            raise ValueError(f"{cfg.model} samples from captions: pass --prompts \"...\" or --prompts_file")
-        return prompts
+        return prompt_conditions(sample_cfg, cfg.model)
 
     def make_sampler(self, sample_cfg, cfg) -> FluxSampler:
         size = cfg.image_size // (1 if is_none(cfg.vae) else 8)  # FLUX's autoencoder downsamples 8x

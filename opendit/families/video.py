@@ -62,7 +62,8 @@ class VideoTrainOptions(GaussianTrainOptions):
 @dataclass
 class VideoSampleOptions(GaussianSampleOptions):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
-    fps: int = opt(8, "frames per second of the MP4s and the GIF", check="positive")
+    fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
+                                "the model's, 16)", check="positive")
 
 
 @dataclass
@@ -256,6 +257,9 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
         """Latent clips [n, C, T, h, w] -> clips in [-1, 1], decoded frame by frame by the VAE if any."""
         vae = loaded.encoders.vae
         return decode_frames(vae, latents, loaded.cfg.vae_scale) if vae is not None else latents.clamp(-1, 1)
+
+    def sample_defaults(self, sample_cfg, cfg) -> dict:
+        return {**super().sample_defaults(sample_cfg, cfg), "fps": 8}
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps)

@@ -55,10 +55,10 @@ class VideoWriter:
     """videos/NNNNNN.mp4 and strips/NNNNNN.png (the frames side by side, lossless) per clip; then grid.png (one
     strip per row: the first 16 clips, those of one condition together), grid_large.png (that grid upscaled,
     when the frames are under 128 px), grid.gif (the first 16 clips tiled, animated) and with npz samples.npz
-    (uint8 [N, T, H, W, 3], read back from the lossless strips)."""
+    (uint8 [N, T, H, W, 3], read back from the lossless strips). frames: T, needed when frames are not square."""
 
-    def __init__(self, out: Path, npz: bool = False, fps: int = 8):
-        self.out, self.npz, self.fps = out, npz, fps
+    def __init__(self, out: Path, npz: bool = False, fps: int = 8, frames: int | None = None):
+        self.out, self.npz, self.fps, self.frames = out, npz, fps, frames
         self.mp4 = importlib.util.find_spec("av") is not None
         if not self.mp4:  # the lossless strips, the grids and the npz need no PyAV
             logger.warning("PyAV is not installed: no MP4s, only strips/, grid.png and grid.gif (pip install av)")
@@ -81,7 +81,7 @@ class VideoWriter:
 
     def finish(self, num: int, conditions: list) -> list[str]:
         height, width = np.asarray(Image.open(self.strip_path(0))).shape[:2]
-        frames = width // height  # frames are square (center-cropped to --image_size): T = width / height
+        frames = self.frames or width // height  # unless told, frames are square: T = width / height
         shown = [i for group in group_by_condition(range(min(num, 16)), conditions).values() for i in group]
         grid = save_grid(tile_rows([[_read_rgb(self.strip_path(i))] for i in shown]), self.out, tile_px=height)
         clips = [self._clip(i, frames) for i in range(min(num, 16))]

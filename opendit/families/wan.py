@@ -1,0 +1,431 @@
+"""Wan2.1 text-to-video as a model family: Wan2.1-T2V-1.3B / -14B (the official architecture; the published
+weights and diffusers' Wan folders load) and Wan-debug (tiny, for CPUs) on captioned clips, flow matching as Wan
+is trained, UMT5 token embeddings through cross-attention, Wan's causal 3-D VAE (or pixel space for the demo),
+sampling with diffusers' UniPC in its flow mode (Wan's default) or flow Euler.
+
+Data: the moving-digits demo (captioned "the digit 3 moving up and left"; here the digit is half the frame and
+never touches a wall, so the caption's direction holds in every frame), a CSV of path,caption, or a cache from
+preprocess.py --family wan (Wan-VAE posteriors and UMT5 embeddings: training on it loads no encoder). Caption
+dropout for classifier-free guidance replaces a caption's embedding by the empty caption's.
+
+What the model's forward takes: the official forward(x, t, context, seq_len) (lists of [C, F, H, W] latents and
+[L_i, D] UMT5 embeddings, t [B] in 0..1000), or batched tensors x [B, C, F, H, W], context [B, text_len, D]
+zero-padded -> velocity [B, C, F, H, W] (what training and sampling here call).
+"""
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from opendit.booster import shard_frozen
+from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
+from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
+from opendit.encoders.text import FixedEmbeddings, load_umt5_encoder, umt5_encoder_dim
+from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_latent_shape, wan_posterior
+from opendit.families.base import ModelSpec, prompt_conditions, preview_prompts
+from opendit.families.latent import LatentImageFamily, is_none
+from opendit.families.writers import VideoWriter
+from opendit.models.convert_wan_diffusers import load_diffusers_transformer, wan_config_from_diffusers
+from opendit.models.wan import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.options import opt
+from opendit.perf import matmul_macs
+from opendit.seeding import sampling_generator
+
+# What each model implies beyond its architecture: the time shift of its training and sampling schedule, the
+# sampling steps and guidance scale of Wan's generate.py, and the frame rate of its videos.
+WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
+                 "Wan2.1-T2V-14B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
+                 "Wan-debug": dict(flow_shift=1.0, sampling_steps=20, cfg_scale=3.0, fps=4)}
+WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name]) for name, arch in WAN_CONFIGS.items()}
+UMT5_HELP = "a local UMT5 encoder folder (UMT5EncoderModel + tokenizer, or a Wan diffusers folder with text_encoder/)"
+SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); default: the model's (Wan2.1 5)"
+SAMPLERS = ("unipc", "euler")
+
+
+@dataclass
+class WanTrainOptions:
+    umt5: str = opt("none", UMT5_HELP + ", required")
+    num_frames: int | None = opt(None, "frames per clip; default: a latent cache's, else 16", check="positive")
+    frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
+                                     check="positive")
+    flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
+    timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, then the time shift",
+                                 TIMESTEP_SAMPLINGS)
+    caption_dropout_prob: float = opt(0.1, "a caption's embedding is replaced by the empty caption's this often "
+                                           "(for classifier-free guidance)", check="prob")
+
+
+@dataclass
+class WanSampleOptions:
+    umt5: str | None = opt(None, "UMT5 encoder folder; default: the checkpoint's", from_checkpoint=True)
+    negative_prompt: str = opt("", "with --cfg_scale > 1 (true classifier-free guidance): the unconditional caption")
+    flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
+    fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
+                                "the model's, 16)", check="positive")
+    num_frames: int | None = opt(None, "frames per clip (1 + 4k with Wan's VAE); default: the checkpoint's",
+                                 check="positive", from_checkpoint=True)
+    height: int | None = opt(None, "Wan: pixels; default: the trained --image_size", check="positive")
+    width: int | None = opt(None, "Wan: pixels; default: the trained --image_size", check="positive")
+
+
+@dataclass
+class WanCacheOptions:
+    umt5: str = opt("none", "the UMT5 encoder folder whose token embeddings to cache")
+    num_frames: int = opt(16, "frames per clip", check="positive")
+    frame_interval: int = opt(1, "take every k-th frame of the source video", check="positive")
+
+
+@dataclass
+class WanEncoders:
+    vae: nn.Module | None  # None: pixel space, or training on a cache
+    text: object | None  # UMT5TextEncoder (or FixedEmbeddings); None when training on a cache
+    empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
+
+    def encode(self, captions: list[str], device) -> torch.Tensor:
+        """captions -> UMT5 embeddings [B, L, D] float32 on device, zero after each caption's tokens."""
+        return self.text(captions).float().to(device)
+
+    def empty_embedding(self, device) -> torch.Tensor:
+        if self.empty is None:
+            self.empty = self.encode([""], "cpu")[0]
+        self.empty = self.empty.to(device)  # kept there: later steps copy nothing
+        return self.empty
+
+
+class WanFlowObjective:
+    """Flow matching as Wan2.1 is trained: x_t = (1 - t) x0 + t eps, the model (fed 1000 t) predicts eps - x0,
+    MSE in fp32; t drawn from --timestep_sampling, then shifted by --flow_shift. A batch is (clips [B, C, T, H, W]
+    in [-1, 1], labels, captions) or a cached one ((mean, std) [B, z, T', h, w], labels, captions, UMT5
+    [B, L, D]); a latent is mean + std * randn of the normalised posterior either way, so a cache trains as
+    encoding on the fly does."""
+
+    def __init__(self, encoders: WanEncoders, shift: float, timestep_sampling: str, dropout: float):
+        self.encoders, self.shift, self.dropout = encoders, shift, dropout
+        self.flow = RectifiedFlow(timestep_sampling, shift=False)
+
+    def _latents(self, x, device):
+        if isinstance(x, (list, tuple)):
+            mean, std = (t.to(device, non_blocking=True) for t in x)
+        elif self.encoders.vae is not None:
+            mean, std = wan_posterior(self.encoders.vae, x.to(device, non_blocking=True))
+        else:
+            return x.to(device, non_blocking=True)
+        return mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)
+
+    def prepare(self, batch, device, train: bool = True):
+        context = batch[3].to(device).float() if len(batch) == 4 else self.encoders.encode(list(batch[2]), device)
+        x = self._latents(batch[0], device)
+        drop = (torch.rand(len(context)) < (self.dropout if train else 0.0)).to(device)  # same on SP ranks
+        context = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), context)
+        return x, {"context": context}
+
+    def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation, no shift)."""
+        if t_frac is None:
+            t = shift_times(self.flow.sample_t(x.shape[0], x.device), self.shift)
+        else:
+            t = t_frac.to(x.device, torch.float32)
+        if noise is None:
+            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
+        pred = model(self.flow.noisy(x, t, noise), t * 1000, cond["context"])
+        return self.flow.mse_per_sample(pred.float(), self.flow.target(x, noise)), t
+
+
+def wan_forward_macs(model: nn.Module, video_tokens: int) -> int:
+    """Multiply-accumulates of one forward pass for ONE clip of video_tokens patches: a Linear of the text path
+    (text_embedding, cross-attention k and v) costs text_len * in * out, of the time path (time_embedding,
+    time_projection) in * out, any other video_tokens * in * out (the patch conv: video_tokens * weight.numel());
+    per block, self-attention 2 N^2 dim and cross-attention 2 N text_len dim."""
+    text = model.text_len
+
+    def rows_of(name: str) -> int:
+        if name.startswith("time_"):
+            return 1
+        if name.startswith("text_embedding") or name.endswith(("cross_attn.k", "cross_attn.v")):
+            return text
+        return video_tokens
+    attention = 2 * video_tokens * (video_tokens + text) * model.dim
+    return matmul_macs(model, rows_of) + len(model.blocks) * attention
+
+
+@dataclass
+class WanSampler:
+    name: str  # "unipc" or "euler"
+    steps: int
+    shift: float
+    progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
+
+
+def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
+    """Wan's default sampler: diffusers' UniPCMultistepScheduler in flow-prediction mode with flow sigmas shifted by
+    `shift` (what WanPipeline and Wan's FlowUniPCMultistepScheduler run); velocity_fn(x, t [B] in [0, 1])."""
+    from diffusers import UniPCMultistepScheduler
+
+    scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=shift)
+    scheduler.set_timesteps(steps, device=x.device)
+    x = x.float()
+    for t in scheduler.timesteps:
+        t_vec = torch.full((x.shape[0],), float(t) / 1000, dtype=torch.float32, device=x.device)
+        x = scheduler.step(velocity_fn(x, t_vec).float(), t, x).prev_sample
+    return x
+
+
+class WanFamily(LatentImageFamily):
+    name = "wan"
+    models = WAN_MODELS
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
+    samplers = SAMPLERS
+    cache_keys = ("num_frames", "frame_interval", "umt5")
+    checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
+                          "a diffusers Wan folder (transformer/)")
+    train_options = WanTrainOptions
+    sample_options = WanSampleOptions
+    cache_options = WanCacheOptions
+    default_vae_scale = 1.0  # Wan's latents are normalised per channel by the VAE's own mean and std instead
+    default_num_frames, default_frame_interval = 16, 1
+
+    def patch_size(self, cfg) -> int:
+        return self.models[cfg.model].arch["patch_size"][-1]
+
+    def constant(self, model: str | None, key: str):
+        spec = self.models.get(model) if model is not None else None
+        return (spec or self.models["Wan2.1-T2V-1.3B"]).constants[key]
+
+    def default_sampling_steps(self, cfg) -> int:
+        return self.constant(cfg.model, "sampling_steps")
+
+    def sample_defaults(self, sample_cfg, cfg) -> dict:
+        return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": self.constant(cfg.model, "cfg_scale"),
+                "fps": self.constant(cfg.model, "fps"), "flow_shift": cfg.flow_shift}
+
+    # ---- configuration and data ---------------------------------------------------------------------------
+    def fill_defaults(self, cfg):
+        cfg = super().fill_defaults(cfg)
+        return dataclasses.replace(cfg, num_classes=0, num_frames=cfg.num_frames or self.default_num_frames,
+                                   frame_interval=cfg.frame_interval or self.default_frame_interval,
+                                   flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"))
+
+    def text_len(self, cfg) -> int:
+        return self.models[cfg.model].arch["text_len"]
+
+    def load_encoders(self, cfg, device, training: bool) -> WanEncoders:
+        if training and self.dataset_spec(cfg).cache:  # everything is in the cache
+            return WanEncoders(vae=None, text=None)
+        if is_none(cfg.umt5):
+            raise ValueError(f"{cfg.model} needs --umt5 <local folder> (a Wan diffusers folder holds it in "
+                             f"text_encoder/ + tokenizer/); the demo makes a tiny one: RECIPE=wan_digits bash "
+                             f"train_video.sh")
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        text = load_umt5_encoder(cfg.umt5, device, self.text_len(cfg), dtype)
+        if training:  # UMT5-XXL is sharded like the model's weights under the plugins that keep them sharded
+            shard_frozen(text.model, text.model.encoder.block, cfg.plugin)
+        return WanEncoders(vae=load_wan_vae(cfg.vae, device), text=text)
+
+    def dataset_options(self, cfg, encoders, spec) -> dict:
+        if spec.cache:
+            return {"seed": cfg.global_seed}
+        return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
+
+    def source_options(self, cfg, spec, channels: int, seed: int) -> dict:
+        options = dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=seed, channels=channels)
+        if spec is MOVING_DIGITS:  # half the frame, clear of the walls: every frame moves as its caption says
+            options.update(digit_size=cfg.image_size // 2, bounce=False)
+        return options
+
+    def load_data(self, cfg, encoders: WanEncoders):
+        dataset, cfg = super().load_data(cfg, encoders)
+        if self.dataset_spec(cfg).cache:
+            if "umt5" not in dataset.embeddings:
+                raise ValueError(f"latent cache {cfg.data_path!r} holds no UMT5 embeddings (not written with "
+                                 f"preprocess.py --family wan); rebuild it with --family wan --umt5 ...")
+            encoders.empty = dataset.extra("empty_umt5")
+        elif not getattr(dataset, "captions", True):
+            raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has no captions; Wan trains on "
+                             f"captioned clips (a CSV of path,caption)")
+        return dataset, cfg
+
+    # ---- model ---------------------------------------------------------------------------------------------
+    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
+        """(C, T', h, w): from a cache, else from the frames, size and VAE (pixel space: the data's channels)."""
+        cached = getattr(dataset, "latent_shape", None)
+        if cached is not None:
+            shape = tuple(cached)
+        elif encoders.vae is not None:
+            shape = wan_latent_shape(encoders.vae, cfg.num_frames, cfg.image_size, cfg.image_size)
+        else:
+            channels = getattr(dataset, "channels", None) or data_channels or self.pixel_channels(cfg)
+            shape = (channels, cfg.num_frames, cfg.image_size, cfg.image_size)
+        return self.check_patches(cfg, shape)
+
+    def check_patches(self, cfg, shape):
+        pt, ph, pw = self.models[cfg.model].arch["patch_size"]
+        if shape[1] % pt or shape[2] % ph or shape[3] % pw:
+            raise ValueError(f"{cfg.model} patches {pt}x{ph}x{pw} (frames x height x width) of its input, which "
+                             f"does not divide {shape[1]}x{shape[2]}x{shape[3]}; change --num_frames / --image_size")
+        return tuple(shape)
+
+    def build_model(self, cfg, latent_shape):
+        channels = latent_shape[0]
+        model = self.models[cfg.model].build(in_dim=channels, out_dim=channels, text_dim=umt5_encoder_dim(cfg.umt5))
+        pt, ph, pw = model.patch_size
+        model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)  # for FLOPs
+        return model
+
+    def train_flops_per_sample(self, model) -> float:
+        return 3 * 2 * float(wan_forward_macs(model, model.num_tokens))
+
+    def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
+        return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob)
+
+    def load_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """opendit's formats, an official Wan2.1 release (a folder or its safetensors, sharded with an index), or
+        a diffusers Wan folder (transformer/, converted)."""
+        kind, _ = wan_folder(Path(path))
+        if kind == "diffusers":
+            return load_diffusers_transformer(path)[1]
+        if kind == "official" or Path(path).name.startswith("diffusion_pytorch_model"):
+            return load_wan_weights(path)
+        return super().load_weights(path)
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def recognize_checkpoint(self, path: str):
+        """An official Wan2.1 T2V folder or a diffusers Wan folder: the model from its config; a pipeline folder
+        also names its VAE and UMT5."""
+        p = Path(path)
+        kind, config = wan_folder(p)
+        if kind is None or config.get("model_type", "t2v") != "t2v":
+            return None
+        name = next((n for n, a in WAN_CONFIGS.items() if (a["dim"], a["num_layers"]) ==
+                     (config.get("dim"), config.get("num_layers"))), None)
+        settings = dict(dataset="video_csv", image_size=480, num_frames=81, num_classes=0)
+        if (p / "vae").is_dir():
+            settings["vae"] = str(p / "vae")
+        if (p / "text_encoder").is_dir():
+            settings["umt5"] = str(p)
+        return ({**settings, "model": name} if name else settings), None
+
+    def sampling_config(self, cfg, given: set[str]):
+        if "umt5" not in given and (cfg.umt5 is None or is_none(cfg.umt5)):
+            raise ValueError("the checkpoint does not name its text encoder: pass --umt5 (a local UMT5 folder; a "
+                             "Wan diffusers folder holds text_encoder/ + tokenizer/: --umt5 DIR) and --vae DIR/vae")
+        return super().sampling_config(cfg, given)
+
+    def conditions(self, sample_cfg, cfg) -> list:
+        return prompt_conditions(sample_cfg, cfg.model)
+
+    def make_sampler(self, sample_cfg, cfg) -> WanSampler:
+        return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift or cfg.flow_shift)
+
+    def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
+        """The latent shape of --height / --width (default: the square --image_size the model was loaded at)."""
+        cfg = loaded.cfg
+        height, width = sample_cfg.height or cfg.image_size, sample_cfg.width or cfg.image_size
+        if height == width == cfg.image_size:
+            return loaded.latent_shape
+        vae = loaded.encoders.vae
+        shape = wan_latent_shape(vae, cfg.num_frames, height, width) if vae is not None else \
+            (loaded.latent_shape[0], cfg.num_frames, height, width)
+        return self.check_patches(cfg, shape)
+
+    @torch.no_grad()
+    def sample_latents(self, loaded, sampler: WanSampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
+        """Latents [n, C, T', h, w] for global indices; noise from (seed, first index)."""
+        model, enc, n = loaded.model, loaded.encoders, len(indices)
+        z = torch.randn(n, *self.sample_shape(loaded, sample_cfg), generator=sampling_generator(sample_cfg.seed,
+                                                                                               indices.start))
+        context = enc.encode([conditions[i % len(conditions)] for i in indices], device)
+        scale = sample_cfg.cfg_scale
+        if scale > 1.0:  # [cond; uncond] in one pass, the second half with the negative prompt
+            context = torch.cat([context, enc.encode([sample_cfg.negative_prompt], device).expand_as(context)])
+
+        def velocity(x, t):
+            if scale <= 1.0:
+                return model(x, t * 1000, context).float()
+            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context).float()
+            return cfg_velocity(out[:n], out[n:], scale)
+
+        z = z.to(device)
+        if sampler.name == "euler":
+            times = shift_times(torch.linspace(1, 0, sampler.steps + 1), sampler.shift)
+            return euler_sample(velocity, z, times, sampler.progress)
+        return unipc_sample(velocity, z, sampler.steps, sampler.shift)
+
+    def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
+        vae = loaded.encoders.vae
+        return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents)
+
+    def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
+        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps, frames=cfg.num_frames)
+
+    def sampling_encoders(self, cfg, encoders: WanEncoders, device) -> WanEncoders:
+        """Trained on a cache: the VAE to decode (the previews' prompts are already embedded)."""
+        if encoders.vae is None and not is_none(cfg.vae):
+            return dataclasses.replace(encoders, vae=load_wan_vae(cfg.vae, device))
+        return encoders
+
+    # ---- previews ------------------------------------------------------------------------------------------
+    def preview_settings(self, cfg) -> dict:
+        return {"num_sampling_steps": min(self.default_sampling_steps(cfg), 20), "sampler": "unipc"}
+
+    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+        return preview_prompts(dataset, rows, cfg.model)
+
+    def preview_encoders(self, cfg, encoders: WanEncoders, conditions: list, dataset) -> WanEncoders:
+        """The prompts' and the empty caption's UMT5 embeddings: encoded now, or read from a cache."""
+        if encoders.text is not None:
+            return dataclasses.replace(encoders, text=FixedEmbeddings.encode(encoders.text, [*conditions, ""]))
+        index = {c: i for i, c in distinct_captions(dataset, len(conditions) * 4)}
+        table = {c: dataset[index[c]][3].float() for c in conditions}  # ((mean, std), label, caption, umt5)
+        empty = encoders.empty if encoders.empty is not None else dataset.extra("empty_umt5")
+        return dataclasses.replace(encoders, text=FixedEmbeddings({**table, "": empty.float().cpu()}))
+
+    # ---- caching -------------------------------------------------------------------------------------------
+    def resolve_cache_config(self, cfg):
+        if cfg.model is not None and cfg.model not in self.models:
+            raise ValueError(f"--model {cfg.model} is not a Wan model; valid: {', '.join(self.models)}")
+        if cfg.model is None:
+            raise ValueError("--model is required with --family wan: its text length sets the UMT5 tokens per "
+                             f"caption; one of {', '.join(self.models)}")
+        return super().resolve_cache_config(cfg)
+
+    def cache_encoders(self, cfg, device) -> WanEncoders:
+        if is_none(cfg.umt5):
+            raise ValueError("--umt5 is required with --family wan (a local UMT5 folder, or a Wan diffusers folder)")
+        return WanEncoders(vae=load_wan_vae(cfg.vae, device),
+                           text=load_umt5_encoder(cfg.umt5, device, self.text_len(cfg)))
+
+    def cache_source(self, cfg, encoders):
+        """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
+        spec = self.dataset_spec(cfg)
+        return spec(cfg.data_path, cfg.image_size, **self.source_options(cfg, spec, channels=3, seed=0))
+
+    @torch.no_grad()
+    def cache_encode(self, encoders: WanEncoders, x, captions=None) -> dict:
+        mean, std = wan_posterior(encoders.vae, x)
+        out = {"mean": mean.cpu(), "std": std.cpu()}
+        if captions is not None:
+            out["umt5"] = encoders.encode(list(captions), "cpu")
+        return out
+
+    def cache_extras(self, encoders: WanEncoders) -> dict:
+        """The empty caption's embedding, stored once per cache (caption dropout while training)."""
+        return {"empty_umt5": encoders.empty_embedding("cpu")}
+
+
+def wan_folder(path: Path) -> tuple[str | None, dict]:
+    """("diffusers", our config) for a diffusers Wan transformer folder or a pipeline folder holding transformer/;
+    ("official", its config.json) for an official Wan2.1 folder (config.json + diffusion_pytorch_model*.safetensors);
+    (None, {}) otherwise."""
+    folder = path / "transformer" if (path / "transformer" / "config.json").is_file() else path
+    if not (folder / "config.json").is_file():
+        return None, {}
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("_class_name") == "WanTransformer3DModel":
+        return "diffusers", wan_config_from_diffusers(config)
+    if "dim" in config and any(folder.glob("diffusion_pytorch_model*.safetensors")):
+        return "official", config
+    return None, {}

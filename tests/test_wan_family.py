@@ -1,0 +1,203 @@
+"""Wan2.1 end to end on CPUs: Wan-debug on the captioned moving digits (pixel space) through a tiny local UMT5
+trains, resumes exactly and samples MP4s from the command line with both samplers; a cache from preprocess.py
+--family wan (tiny Wan VAE, UMT5 embeddings) trains like encoding on the fly and loads no encoder; the plugins,
+sequence parallelism and the lean optimizer options run Wan-debug like the plain path; a diffusers Wan folder
+samples."""
+import json
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from opendit import config as cfglib
+from tests.test_train import run_trainer
+from tests.test_video_family import cli, losses_of
+
+RUN = "000-Wan-debug"
+
+
+@pytest.fixture(scope="module")
+def umt5(tmp_path_factory):
+    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+
+    return save_tiny_umt5(tmp_path_factory.mktemp("wan_encoders") / "umt5", max_length=16)
+
+
+@pytest.fixture(scope="module")
+def wan_vae(tmp_path_factory):
+    from opendit.encoders.wan_vae import save_tiny_wan_vae
+
+    return save_tiny_wan_vae(tmp_path_factory.mktemp("wan_vae") / "vae")
+
+
+def wan_cfg(outputs, umt5, **kw):
+    base = dict(model="Wan-debug", dataset="moving_digits", image_size=8, num_frames=3, umt5=umt5, batch_size=4,
+                max_steps=3, log_every=1, ckpt_every=100, num_workers=0, outputs=str(outputs), lr=1e-3,
+                ema_decay=0.9)
+    return cfglib.TrainConfig(**{**base, **kw})
+
+
+def _cli_common(umt5):
+    return ["--model", "Wan-debug", "--dataset", "moving_digits", "--image_size", "8", "--num_frames", "3",
+            "--umt5", umt5, "--batch_size", "4", "--max_steps", "3", "--log_every", "1", "--num_workers", "0"]
+
+
+def test_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path, umt5):
+    cli("train.py", *_cli_common(umt5), "--max_steps", "2", "--outputs", tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the digit 3 moving left\n\nthe digit 7 moving up\n")
+    for sampler in ("unipc", "euler"):
+        out = tmp_path / sampler
+        cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving down",
+            "--prompts_file", prompts, "--num_sampling_steps", "3", "--sampler", sampler, "--cfg_scale", "2",
+            "--negative_prompt", "the digit 0", "--npz", "--out", out)
+        clips = np.load(out / "samples.npz")["arr_0"]
+        assert clips.shape == (3, 3, 8, 8, 3) and clips.dtype == np.uint8  # one per prompt (blank line skipped)
+        with av.open(str(out / "videos" / "000001.mp4")) as container:
+            assert len(list(container.decode(video=0))) == 3
+    out = tmp_path / "longer"  # other frame counts and sizes than trained
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving down",
+        "--num_frames", "5", "--height", "8", "--width", "16", "--num_sampling_steps", "2", "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 8, 16, 3)
+
+
+def test_resumed_losses_equal_uninterrupted(tmp_path, umt5):
+    _, full = run_trainer(wan_cfg(tmp_path / "a", umt5, max_steps=4, ckpt_every=2))
+    run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:]
+    assert all(np.isfinite(full))
+
+
+def test_loss_falls_and_caption_dropout_uses_the_empty_caption(tmp_path, umt5):
+    trainer, losses = run_trainer(wan_cfg(tmp_path, umt5, max_steps=30, log_every=10, lr=2e-3, batch_size=8))
+    assert losses[-1] < 0.8 * losses[0], losses
+    enc = trainer.encoders
+    torch.manual_seed(0)
+    caption = "the digit 7 moving up"
+    _, cond = trainer.objective.prepare((torch.zeros(64, 1, 3, 8, 8), torch.zeros(64), [caption] * 64),
+                                        torch.device("cpu"))
+    empty, full = enc.empty_embedding("cpu"), enc.encode([caption], "cpu")[0]
+    dropped = torch.tensor([torch.equal(c, empty) for c in cond["context"]])
+    assert all(torch.equal(c, full) for c, d in zip(cond["context"], dropped) if not d)
+    assert 0.02 < dropped.float().mean() < 0.25  # p = 0.1
+
+
+def test_moving_digits_for_wan_move_as_their_captions_say(tmp_path, umt5):
+    trainer, _ = run_trainer(wan_cfg(tmp_path, umt5, max_steps=1, image_size=16, num_frames=5))
+    ds = trainer.dataset
+    assert ds.digit_size == 8 and not ds.bounce
+    for i in range(20):
+        words, _, (vx, vy) = ds.motion(i)
+        x0, y0 = ds.digit_position(i, 0)
+        x4, y4 = ds.digit_position(i, 4)
+        assert (x4 - x0, y4 - y0) == (4 * vx, 4 * vy)  # no bounce: the caption's direction in every frame
+
+
+def test_a_missing_text_encoder_is_a_clear_error(tmp_path, umt5):
+    with pytest.raises(ValueError, match="--umt5"):
+        run_trainer(wan_cfg(tmp_path, "none"))
+    with pytest.raises(FileNotFoundError, match="--umt5"):
+        run_trainer(wan_cfg(tmp_path, str(tmp_path / "nowhere")))
+
+
+def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan_vae):
+    cli("preprocess.py", "--family", "wan", "--model", "Wan-debug", "--dataset", "moving_digits", "--image_size", "16",
+        "--num_frames", "5", "--vae", wan_vae, "--umt5", umt5, "--out", tmp_path / "cache", "--batch_size", "64",
+        "--num_workers", "0")
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["latent_shape"] == [16, 2, 2, 2] and manifest["embeddings"] == ["umt5"]
+    assert manifest["extras"] == ["empty_umt5"] and manifest["num_frames"] == 5
+    common = dict(image_size=16, num_frames=5, max_steps=3)
+    cached, fly = tmp_path / "c", tmp_path / "f"
+    trainer, _ = run_trainer(wan_cfg(cached, "none", dataset="latents", data_path=str(tmp_path / "cache"), **common))
+    assert trainer.encoders.vae is None and trainer.encoders.text is None  # the cache loads no encoder
+    assert trainer.cfg.umt5 == umt5 and trainer.cfg.vae == wan_vae  # for sampling later
+    run_trainer(wan_cfg(fly, umt5, vae=wan_vae, **common))
+    np.testing.assert_allclose(losses_of(cached / RUN), losses_of(fly / RUN), rtol=1e-5)
+    out = tmp_path / "samples"  # the cache's run samples through the VAE and UMT5 it names
+    cli("sample.py", "--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
+        "--num_sampling_steps", "2", "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 16, 16, 3)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(grad_checkpoint=1),
+    dict(optimizer_offload=True, optimizer_state_dtype="u16", master_weights="bf16_exact", mixed_precision="bf16",
+         fused_backward=True),
+    dict(optimizer_offload=True, fused_backward=True, blocks_to_swap=1),
+], ids=["grad_checkpoint", "u16-offload-bf16_exact-fused", "fused-block_swap"])
+def test_lean_options_run_wan_and_resume_exactly(tmp_path, umt5, kw):
+    _, plain = run_trainer(wan_cfg(tmp_path / "p", umt5, max_steps=4))
+    _, full = run_trainer(wan_cfg(tmp_path / "a", umt5, max_steps=4, ckpt_every=2, **kw))
+    run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=2, ckpt_every=2, **kw))
+    _, resumed = run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest", **kw))
+    assert resumed == full[2:]
+    if "mixed_precision" in kw:  # bf16 weights and compressed states: close to plain AdamW in fp32, not equal
+        assert full == pytest.approx(plain, rel=0.05)
+    else:  # the same arithmetic, rearranged (checkpointed, offloaded, fused, swapped)
+        assert full == pytest.approx(plain, rel=1e-5)
+
+
+def test_flops_per_sample_from_its_layers():
+    from opendit.families.wan import wan_forward_macs
+    from opendit.models.wan import WAN_CONFIGS, WanModel
+
+    with torch.device("meta"):
+        model = WanModel(**WAN_CONFIGS["Wan2.1-T2V-1.3B"])
+    D, F, L, N = 1536, 8960, 512, 21 * 30 * 52  # 81 frames at 480x832: 21 x 60 x 104 latents, 1x2x2 patches
+    block = N * (4 * D * D + 2 * D * D + 2 * D * F) + L * 2 * D * D + 2 * N * (N + L) * D
+    root = N * 16 * 4 * D + L * (4096 * D + D * D) + 256 * D + D * D + D * 6 * D + N * D * 64
+    assert wan_forward_macs(model, N) == 30 * block + root
+
+
+def test_sample_defaults_follow_the_model():
+    from opendit.families import get_family
+    from opendit.inference import complete_sample_config
+
+    family = get_family("wan")
+    for model, shift in (("Wan2.1-T2V-1.3B", 5.0), ("Wan-debug", 1.0)):
+        cfg = family.fill_defaults(cfglib.TrainConfig(model=model, dataset="moving_digits"))
+        resolved = complete_sample_config(family, cfglib.SampleConfig(), cfg)
+        constants = family.models[model].constants
+        assert (resolved.sampler, resolved.num_sampling_steps, resolved.cfg_scale, resolved.fps,
+                resolved.flow_shift) == ("unipc", constants["sampling_steps"], constants["cfg_scale"],
+                                         constants["fps"], shift)
+    video = complete_sample_config(get_family("video"), cfglib.SampleConfig(), cfglib.TrainConfig(model="Latte-XL/2"))
+    assert video.fps == 8
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tmp_path_factory, umt5):
+    """The plain run's losses by process count, each run once for all the cases that compare with it."""
+    runs = {}
+
+    def losses(nproc):
+        if nproc not in runs:
+            out = tmp_path_factory.mktemp(f"wan_plain_{nproc}")
+            cli("train.py", *_cli_common(umt5), "--outputs", out, nproc=nproc)
+            runs[nproc] = losses_of(out / RUN)
+        return runs[nproc]
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"], ["--plugin", "gemini"],
+                                   ["--sequence_parallel_size", "2"]], ids=["zero2", "fsdp", "gemini", "sp2"])
+def test_two_process_runs_equal_ddp(tmp_path, umt5, plain_losses, flags):
+    # SP: both ranks see the same 4 samples, as one process does; the plugins shard them like 2-process ddp
+    ref = plain_losses(1 if flags[0] == "--sequence_parallel_size" else 2)
+    cli("train.py", *_cli_common(umt5), *flags, "--outputs", tmp_path / "run", nproc=2)
+    np.testing.assert_allclose(losses_of(tmp_path / "run" / RUN), ref, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_process_sampling_writes_what_one_process_does(tmp_path, umt5):
+    run_trainer(wan_cfg(tmp_path, umt5, max_steps=1))
+    common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving up",
+              "the digit 2 moving left", "--num_samples", "5", "--batch_size", "2", "--num_sampling_steps", "3", "--npz"]
+    cli("sample.py", *common, "--out", tmp_path / "one")
+    cli("sample.py", *common, "--out", tmp_path / "two", nproc=2)
+    one, two = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "two"))
+    np.testing.assert_array_equal(one, two)
