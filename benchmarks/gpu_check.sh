@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark in one go, for a short lease on one GPU (H200): at most 590 s of timeouts in all
+# Every GPU check and benchmark in one go, for a short lease on one GPU (H200): at most 640 s of timeouts in all
 # (training 100 + sampling 50 + kernels 40 + offload 50 + tests 60 + eval 15 + train.py 50 + 30 + 30 + video 30 +
-# 15 + FLUX 120).
+# 15 + FLUX 120 + Wan 50).
 # Results land under $OUT (default ./gpu_results). Run from the repository root; no install (PYTHONPATH=.).
 #   OUT=/tmp/r bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -67,4 +67,7 @@ rm -rf /tmp/gpu_video
 stamp "FLUX: flux-dev 1024px full fine-tune step under a 16 GiB cap (lean options, block swap; synthetic cache)"
 timeout "${FLUX_S:-120}" python3 benchmarks/flux_lean_step.py --steps 3 --out "$OUT/flux_lean.md" 2>&1 \
   | grep -v Warning | tail -12
+stamp "Wan: Wan2.1-T2V-1.3B 33 x 480 x 480 full fine-tune step (lean options; synthetic cache), vs wan_memory.py's plan"
+timeout "${WAN_S:-50}" python3 benchmarks/wan_lean_step.py --steps 3 --out "$OUT/wan_lean.md" 2>&1 \
+  | grep -v Warning | tail -8
 stamp "done"

@@ -1,0 +1,124 @@
+"""A full fine-tune of Wan2.1-T2V-1.3B on one GPU with the lean options: train.py's own Trainer on a synthetic Wan
+cache (Wan-VAE latents and UMT5 embeddings of random values, so no encoder, weights or data need downloading),
+random initial weights. Reports seconds per step, peak GPU memory (allocated and reserved) and peak host memory,
+beside what benchmarks/wan_memory.py plans for the same model, clip and options.
+
+    python benchmarks/wan_lean_step.py --out wan_lean.md                      # GPU: 1.3B, 33 x 480 x 480
+    python benchmarks/wan_lean_step.py --num_frames 81 --height 480 --width 832     # the full-size clip
+    python benchmarks/wan_lean_step.py --model Wan-debug --num_frames 5 --height 64 --width 64 --device cpu \\
+        --steps 2 --blocks_to_swap 1                                          # CPU smoke
+
+The options are flux_lean_step.py's LEAN (RECIPE=finetune of train_flux.sh): bf16 weights with the bf16_exact
+master, u16 AdamW states on the host, fused backward, activation checkpointing every block, no EMA; plus
+--blocks_to_swap (default 0). Attention is SDPA (flash on a recent GPU). Values are random, so only time and
+memory mean anything; the loss is printed to show the step ran. --budget_gib caps the GPU memory the process may
+allocate (torch.cuda.set_per_process_memory_fraction); 0 (the default) leaves the whole GPU.
+"""
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.flux_lean_step import LEAN  # noqa: E402
+from benchmarks.wan_memory import GB, WanPlan  # noqa: E402
+from opendit import config as cfglib  # noqa: E402
+from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
+from opendit.models.wan import WAN_CONFIGS  # noqa: E402
+
+
+def write_synthetic_cache(folder: Path, model: str, num_frames: int, height: int, width: int, count: int) -> list:
+    """A preprocess.py --family wan layout cache of `count` clips with random values, plus a stub UMT5 config (the
+    model's text width is read from it) -> the latent shape [C, T', h, w]."""
+    arch = WAN_CONFIGS[model]
+    text_len, text_dim = arch["text_len"], arch["text_dim"]
+    umt5 = folder / "umt5"
+    umt5.mkdir(parents=True, exist_ok=True)
+    (umt5 / "config.json").write_text(json.dumps({"model_type": "umt5", "d_model": text_dim}))
+    cache = folder / "cache"
+    cache.mkdir(exist_ok=True)
+    shape = [arch["in_dim"], 1 + (num_frames - 1) // 4, height // 8, width // 8]  # Wan's VAE: 4x in time, 8x in space
+    rng = np.random.default_rng(0)
+    arrays = dict(mean=rng.standard_normal((count, *shape), dtype=np.float32),
+                  std=np.full((count, *shape), 0.05, dtype=np.float32),
+                  label=np.zeros(count, dtype=np.int64), caption=np.array(["a clip"] * count),
+                  umt5=rng.standard_normal((count, text_len, text_dim), dtype=np.float32).astype(np.float16))
+    for key, value in arrays.items():
+        np.save(cache / f"r000-00000.{key}.npy", value)
+    np.save(cache / "extra.empty_umt5.npy", np.zeros((text_len, text_dim), dtype=np.float16))
+    manifest = dict(version=CACHE_VERSION, family="wan", vae="synthetic", vae_scale=1.0, image_size=height,
+                    latent_shape=shape, num_classes=0, classes=[], count=count, skipped=0, flip_both=False,
+                    dtype="float16", captions=True, embeddings=["umt5"], extras=["empty_umt5"],
+                    num_frames=num_frames, frame_interval=1, umt5=str(umt5), source={},
+                    shards=[{"stem": "r000-00000", "count": count, "captions": True, "embeddings": ["umt5"]}])
+    (cache / MANIFEST).write_text(json.dumps(manifest))
+    return shape
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Wan2.1-T2V-1.3B", choices=list(WAN_CONFIGS))
+    p.add_argument("--num_frames", type=int, default=33, help="1 + 4k frames")
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=480)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (batch 1); the first includes warm-up")
+    p.add_argument("--blocks_to_swap", type=int, default=0)
+    p.add_argument("--budget_gib", type=float, default=0.0, help="cap on the GPU memory; 0: none")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--work", default="/tmp/wan_lean")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    plan = WanPlan(a.model)
+    grid, tokens = plan.tokens(a.num_frames, a.height, a.width)  # checks the geometry before any work
+    planned = sum(plan.lean(a.blocks_to_swap, tokens)["gpu"].values())
+    work = Path(a.work)
+    write_synthetic_cache(work, a.model, a.num_frames, a.height, a.width, count=max(a.steps, 1))
+    cuda = a.device == "cuda"
+    if cuda and a.budget_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2 ** 30 / total))
+    from opendit.training.loop import Trainer
+
+    t0 = time.time()
+    cfg = cfglib.TrainConfig(model=a.model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
+                             max_steps=a.steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-5,
+                             outputs=str(work / "runs"), blocks_to_swap=a.blocks_to_swap, **LEAN)
+    trainer = Trainer(cfg)
+    setup_s = time.time() - t0
+    times = []
+    loader = iter(trainer.loader)
+    for _ in range(a.steps):
+        batch = next(loader)
+        t = time.time()
+        loss, _, _ = trainer.train_step(batch)
+        loss = float(loss)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    host_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    gpu = (torch.cuda.max_memory_allocated() / GB, torch.cuda.max_memory_reserved() / GB) if cuda else (0, 0)
+    steady = times[1:] or times
+    options = " ".join(f"--{k} {v}" for k, v in LEAN.items()) + f" --blocks_to_swap {a.blocks_to_swap}"
+    lines = [f"# {a.model} full fine-tune step, {a.num_frames} x {a.height} x {a.width} (patch grid {grid}: "
+             f"{tokens} video tokens), batch 1, {a.device}" + (f" capped at {a.budget_gib:g} GiB" if a.budget_gib
+                                                                else ""), "",
+             f"options: {options}; synthetic cache, random weights; torch {torch.__version__}; GB = 1e9 bytes", "",
+             "| set-up s | first step s | steady s/step | peak GPU allocated GB | peak GPU reserved GB | "
+             "planned GPU GB (wan_memory.py) | peak host RSS GB | last loss |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|",
+             f"| {setup_s:.0f} | {times[0]:.2f} | {sum(steady) / len(steady):.2f} | {gpu[0]:.2f} | {gpu[1]:.2f} | "
+             f"{planned / GB:.2f} | {host_gb:.1f} | {loss:.4f} |"]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

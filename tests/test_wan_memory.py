@@ -1,0 +1,57 @@
+"""benchmarks/wan_memory.py (the memory plan of a Wan2.1 full fine-tune at 81 x 480 x 832, from the meta device) and
+benchmarks/wan_lean_step.py (a lean training step through the Trainer) run on a CPU: the plan's tables add up, zero3
+divides the weights and states by the GPU count, the lean 14B plan fits one 80 GB GPU, and the measured per-token
+activation bytes equal the docstring's formula; the lean step runs Wan-debug with block swap."""
+import re
+
+import numpy as np
+import pytest
+
+from tests.test_video_family import cli
+
+PARTS = 8  # weights, in flight, grads, states, master, activations, text encoder, VAE
+
+
+def plan_tables(text: str) -> dict[str, list[tuple[str, list[float], float]]]:
+    """{model: [(setting, GPU parts, GPU total)]} from the script's Markdown."""
+    tables, model = {}, None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            model = line[4:].split(":")[0]
+            tables[model] = []
+        elif line.startswith("| ") and not line.startswith("| setting"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert len(cells) == 1 + PARTS + 2, line
+            tables[model].append((cells[0], [float(c) for c in cells[1:1 + PARTS]], float(cells[-2].strip("*"))))
+    return tables
+
+
+def test_memory_plan_adds_up_shards_by_eight_and_fits_the_lean_14b_on_one_80_gb_gpu(tmp_path):
+    out = tmp_path / "wan_memory.md"
+    cli("benchmarks/wan_memory.py", "--out", out)
+    text = out.read_text()
+    tables = plan_tables(text)
+    assert set(tables) == {"Wan2.1-T2V-14B", "Wan2.1-T2V-1.3B"}
+    for model, rows in tables.items():
+        for setting, parts, total in rows:
+            assert total == pytest.approx(sum(parts), abs=PARTS * 0.005), (model, setting)  # cells round to 0.01
+        (ref_name, ref, _), (a_name, a, a_total) = rows[:2]
+        assert ref_name.startswith("unsharded") and a_name.startswith("(a) 8 GPUs")
+        assert a[0] == pytest.approx(ref[0] / 8, abs=0.01)  # zero3: the weights, 1/8 per GPU
+        assert a[3] == pytest.approx(ref[3] / 8, abs=0.01)  # and the AdamW states
+        assert a_total <= 80
+    lean = [(name, total) for name, _, total in tables["Wan2.1-T2V-14B"] if name.startswith("(b)")]
+    assert lean[0][1] <= 80  # the lean 14B at 81 frames fits 80 GB (tightly: 76 GB, estimated)
+    swap = [total for name, total in lean if "--blocks_to_swap" in name]
+    assert swap and swap[0] <= 80 - 8  # block swap leaves the default 8 GB margin free
+    measured = re.findall(r"measured (\d+), formula 66 D \+ 4 F \+ 8 H \+ 36 = (\d+)", text)
+    assert len(measured) == 2 and all(m == f for m, f in measured)  # the docstring's formula is what autograd saves
+
+
+def test_lean_step_runs_wan_debug_on_cpu(tmp_path):
+    cli("benchmarks/wan_lean_step.py", "--model", "Wan-debug", "--num_frames", "5", "--height", "64", "--width",
+        "64", "--device", "cpu", "--steps", "2", "--blocks_to_swap", "1", "--work", tmp_path / "lean",
+        "--out", tmp_path / "lean.md")
+    last = (tmp_path / "lean.md").read_text().splitlines()[-1].split("|")
+    assert float(last[6]) > 0  # wan_memory.py's plan for the same run
+    assert np.isfinite(float(last[8]))  # the step ran and its loss is a number
