@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch video DiT training. NGPU, MODEL and extra flags come from the environment / command line.
-#   RECIPE=wan_digits bash train_video.sh      # text-to-video demo on CPUs: Wan-debug on captioned 5-frame 16 px
-#                                              # moving digits, flow matching, a tiny local UMT5 made on first use
+#   RECIPE=wan_digits bash train_video.sh      # text-to-video demo on CPUs: Wan-debug on captioned 3-frame 16 px
+#                                              # moving digits (4 px a frame), flow matching, a tiny local UMT5
 #   RECIPE=moving_digits bash train_video.sh   # the class-conditional demo: Latte-Ti/4 on 3-frame 16 px clips
 #   RECIPE=wan_t2v_1_3b WAN=/models/Wan2.1-T2V-1.3B-Diffusers DATA=/data/clips.csv NGPU=8 bash train_video.sh
 #       # full fine-tune of Wan2.1-T2V-1.3B from a local diffusers Wan folder (transformer/, vae/, text_encoder/,
@@ -17,9 +17,9 @@ case "$RECIPE" in
     MODEL=${MODEL:-Wan-debug}
     ENC=${ENC:-outputs/wan_demo_umt5}
     [ -f "$ENC/config.json" ] || python -m opendit.encoders.tiny_umt5 "$ENC"
-    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 5 --vae none --umt5 "$ENC" \
-      --batch_size 32 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
-      --num_workers 0 "$@" ;;
+    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 3 --frame_interval 4 --vae none \
+      --umt5 "$ENC" --batch_size 32 --lr 2e-3 --ema_decay 0.995 --max_steps 5000 --ckpt_every 2500 --log_every 250 \
+      --sample_every 1000 --num_workers 0 "$@" ;;
   wan_t2v_1_3b)
     MODEL=${MODEL:-Wan2.1-T2V-1.3B}
     WAN=${WAN:?set WAN to a local Wan2.1-T2V-1.3B-Diffusers folder}

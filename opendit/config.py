@@ -150,11 +150,14 @@ class SampleOptions:
     in_channels: int | None = opt(None, "pixel-space channels when nothing says (default 1 for digits, else 3)",
                                   check="positive")
     cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's (DiT and "
-                                        "video 4; FLUX 1: its guidance embedding instead, see --guidance)")
+                                        "video 4; FLUX 1: its guidance embedding instead, see --guidance; Wan2.1 "
+                                        "5, Wan-debug 3)")
     num_sampling_steps: int | None = opt(None, "denoising steps; default: the family's (DiT and video 250; FLUX: "
-                                               "flux-schnell 4, others 50)", check="positive",
+                                               "flux-schnell 4, others 50; video with --objective flow and Wan2.1 "
+                                               "50, Wan-debug 20)", check="positive",
                                          fix="e.g. 250 (ddpm) or 50 (ddim)")
-    sampler: str | None = opt(None, "ddpm (ancestral) or ddim (DiT, video; default ddpm); euler (FLUX)", all_samplers)
+    sampler: str | None = opt(None, "ddpm (ancestral) or ddim (DiT, video; default ddpm); euler (FLUX, video "
+                                        "with --objective flow); unipc (default) or euler (Wan)", all_samplers)
     seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
     class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
     prompts: list[str] = opt(help="captions to sample, cycled (a model trained on captions)", factory=list,

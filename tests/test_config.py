@@ -35,9 +35,9 @@ def test_help_shows_sections_help_defaults_and_choices(script):
         assert "one of: DiT-Ti/2" in text and "DiT-XL/2" in text and "--mixed_precision {fp32,bf16,fp16}" in text
     if script == "sample.py":
         # the defaults of steps, sampler and guidance are the model family's, and the help says which
-        assert "--sampler {ddpm,ddim,euler}" in text and "DiT and video 250; FLUX: flux-schnell 4" in text
+        assert "--sampler {ddpm,ddim,euler,unipc}" in text and "DiT and video 250; FLUX: flux-schnell 4" in text
     if script == "preprocess.py":
-        assert "--family {dit,video,flux,toy,shapes}" in text and "--dtype {float32,float16}" in text
+        assert "--family {dit,video,flux,wan,toy,shapes}" in text and "--dtype {float32,float16}" in text
 
 
 def test_choices_come_from_the_registries():

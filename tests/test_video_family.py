@@ -156,3 +156,23 @@ def test_an_official_latte_pt_is_named_and_sized_from_its_shapes(tmp_path, num_c
     clips = loaded.family.sample_batch(loaded, loaded.family.make_sampler(cfg, run), range(2), conditions, cfg,
                                        torch.device("cpu"))
     assert clips.shape == (2, 4, 8, 8, 4)  # latent space itself: 4 channels
+
+
+def test_flow_matching_objective_trains_and_samples_with_euler(tmp_path):
+    """--objective flow: velocity targets, no learned variance, Euler sampling (the default for such a model);
+    a DDPM sampler is refused for it, and Euler for a diffusion model."""
+    trainer, losses = run_trainer(video_cfg(tmp_path, objective="flow", max_steps=30, log_every=10, lr=2e-3,
+                                            batch_size=8))
+    assert not trainer.cfg.learn_sigma and losses[-1] < 0.8 * losses[0], losses
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--class_labels", "3", "7",
+        "--num_sampling_steps", "3", "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (2, 4, 8, 8, 3)
+    sys.path.insert(0, str(ROOT))
+    import sample
+
+    with pytest.raises(SystemExit, match="--sampler ddpm does not apply to a model trained with --objective flow"):
+        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path), sampler="ddpm", out=str(out)))
+    run_trainer(video_cfg(tmp_path / "d", max_steps=1))
+    with pytest.raises(SystemExit, match="--sampler euler does not apply .* --objective diffusion; use ddpm or ddim"):
+        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path / "d"), sampler="euler", out=str(out)))

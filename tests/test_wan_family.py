@@ -87,7 +87,9 @@ def test_loss_falls_and_caption_dropout_uses_the_empty_caption(tmp_path, umt5):
 def test_moving_digits_for_wan_move_as_their_captions_say(tmp_path, umt5):
     trainer, _ = run_trainer(wan_cfg(tmp_path, umt5, max_steps=1, image_size=16, num_frames=5))
     ds = trainer.dataset
-    assert ds.digit_size == 8 and not ds.bounce
+    assert ds.digit_size == 8 and not ds.bounce and ds.border
+    clip = ds[0][0]  # [1, T, S, S]: the 1 px mid-grey border in every frame
+    assert torch.all(clip[0, :, [0, -1], :].abs() < 0.01) and torch.all(clip[0, :, :, [0, -1]].abs() < 0.01)
     for i in range(20):
         words, _, (vx, vy) = ds.motion(i)
         x0, y0 = ds.digit_position(i, 0)
@@ -103,13 +105,13 @@ def test_a_missing_text_encoder_is_a_clear_error(tmp_path, umt5):
 
 
 def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan_vae):
-    cli("preprocess.py", "--family", "wan", "--model", "Wan-debug", "--dataset", "moving_digits", "--image_size", "16",
+    cli("preprocess.py", "--family", "wan", "--model", "Wan-debug", "--dataset", "moving_digits", "--image_size", "32",
         "--num_frames", "5", "--vae", wan_vae, "--umt5", umt5, "--out", tmp_path / "cache", "--batch_size", "64",
         "--num_workers", "0")
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
-    assert manifest["latent_shape"] == [16, 2, 2, 2] and manifest["embeddings"] == ["umt5"]
+    assert manifest["latent_shape"] == [16, 2, 4, 4] and manifest["embeddings"] == ["umt5"]
     assert manifest["extras"] == ["empty_umt5"] and manifest["num_frames"] == 5
-    common = dict(image_size=16, num_frames=5, max_steps=3)
+    common = dict(image_size=32, num_frames=5, max_steps=3)
     cached, fly = tmp_path / "c", tmp_path / "f"
     trainer, _ = run_trainer(wan_cfg(cached, "none", dataset="latents", data_path=str(tmp_path / "cache"), **common))
     assert trainer.encoders.vae is None and trainer.encoders.text is None  # the cache loads no encoder
@@ -119,7 +121,7 @@ def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan
     out = tmp_path / "samples"  # the cache's run samples through the VAE and UMT5 it names
     cli("sample.py", "--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
         "--num_sampling_steps", "2", "--npz", "--out", out)
-    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 16, 16, 3)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)
 
 
 @pytest.mark.parametrize("kw", [
@@ -183,8 +185,9 @@ def plain_losses(tmp_path_factory, umt5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"], ["--plugin", "gemini"],
-                                   ["--sequence_parallel_size", "2"]], ids=["zero2", "fsdp", "gemini", "sp2"])
+@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"],
+                                   ["--plugin", "hsdp", "--dp_replicate", "2"], ["--plugin", "gemini"],
+                                   ["--sequence_parallel_size", "2"]], ids=["zero2", "fsdp", "hsdp", "gemini", "sp2"])
 def test_two_process_runs_equal_ddp(tmp_path, umt5, plain_losses, flags):
     # SP: both ranks see the same 4 samples, as one process does; the plugins shard them like 2-process ddp
     ref = plain_losses(1 if flags[0] == "--sequence_parallel_size" else 2)
@@ -196,8 +199,49 @@ def test_two_process_runs_equal_ddp(tmp_path, umt5, plain_losses, flags):
 def test_two_process_sampling_writes_what_one_process_does(tmp_path, umt5):
     run_trainer(wan_cfg(tmp_path, umt5, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving up",
-              "the digit 2 moving left", "--num_samples", "5", "--batch_size", "2", "--num_sampling_steps", "3", "--npz"]
+              "the digit 2 moving left", "--num_samples", "5", "--batch_size", "2", "--num_sampling_steps", "3",
+              "--npz"]
     cli("sample.py", *common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--out", tmp_path / "two", nproc=2)
     one, two = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "two"))
     np.testing.assert_array_equal(one, two)
+
+
+def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
+    """A diffusers Wan pipeline folder laid out as Wan-AI/Wan2.1-T2V-1.3B-Diffusers: transformer/ (a random
+    Wan-debug converted to WanTransformer3DModel), vae/ (the tiny Wan VAE), text_encoder/ + tokenizer/."""
+    import shutil
+
+    from diffusers import WanTransformer3DModel
+
+    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from opendit.models.convert_wan_diffusers import diffusers_config, wan_to_diffusers
+    from opendit.models.wan import WAN_CONFIGS, WanModel
+
+    torch.manual_seed(0)
+    ours = WanModel(**WAN_CONFIGS["Wan-debug"])
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.05)
+    theirs = WanTransformer3DModel(**diffusers_config(WAN_CONFIGS["Wan-debug"]))
+    theirs.load_state_dict(wan_to_diffusers(ours.state_dict()), strict=True)
+    theirs.save_pretrained(folder / "transformer")
+    shutil.copytree(wan_vae, folder / "vae")
+    save_tiny_umt5(umt5_root, pipeline=True)
+    for sub in ("text_encoder", "tokenizer"):
+        shutil.copytree(umt5_root / sub, folder / sub)
+    return str(folder), ours
+
+
+def test_a_diffusers_wan_folder_samples_and_fine_tunes(tmp_path, wan_vae):
+    pipe, ours = tiny_wan_pipeline(tmp_path / "pipe", tmp_path / "umt5", wan_vae)
+    out = tmp_path / "samples"  # the folder names the model, its VAE and its text encoder
+    cli("sample.py", "--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "32",
+        "--width", "64", "--num_sampling_steps", "2", "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 64, 3)
+    # fine-tuning starts from the folder's weights (lr 0: one step leaves them as loaded)
+    trainer, losses = run_trainer(wan_cfg(tmp_path / "ft", pipe, init_weights=pipe, vae=f"{pipe}/vae", image_size=32,
+                                          num_frames=5, max_steps=1, lr=0.0))
+    state = trainer.booster.unwrap(trainer.model).state_dict()
+    assert state.keys() == ours.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items()) and np.isfinite(losses).all()

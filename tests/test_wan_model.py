@@ -25,8 +25,8 @@ from tests.wan_reference import reference_forward
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 # Dh = 12: RoPE pairs (2, 2, 2) over frames, rows, columns; 4 heads split over P = 2 and 4; out_dim != in_dim
-TINY = dict(WAN_CONFIGS["Wan-debug"], dim=48, num_heads=4, ffn_dim=64, freq_dim=16, text_len=8, text_dim=12,
-            in_dim=4, out_dim=3)
+TINY = dict(WAN_CONFIGS["Wan-debug"], patch_size=(1, 2, 2), dim=48, num_heads=4, ffn_dim=64, freq_dim=16, text_len=8,
+            text_dim=12, in_dim=4, out_dim=3)
 ATOL = 1e-5  # fp32 on both sides; outputs are O(1)
 
 

@@ -39,7 +39,9 @@ class MovingDigitsDataset(Dataset):
     reverses the axis that hits the wall). The motions do not change with the epoch: every epoch and
     every evaluation see the same clips. digit_size: the digit's side in pixels (default 3/4 of the frame);
     bounce=False: starts are drawn so that the whole clip stays clear of the walls, so the caption's direction
-    holds in every frame (the text-to-video demo). len = the number of digit scans in `split` (1797 for "all";
+    holds in every frame (the text-to-video demo). border=True: a 1 px mid-grey frame around the canvas, drawn over the
+    digit: a fixed mark of where the canvas ends, from which a model that sees only relative positions (RoPE, as
+    Wan) learns where to put the digit far sooner. len = the number of digit scans in `split` (1797 for "all";
     "train" / "held_out" as digits_split's default split). channels=3 repeats the grey plane.
     """
 
@@ -47,7 +49,8 @@ class MovingDigitsDataset(Dataset):
     classes = [str(digit) for digit in range(10)]
 
     def __init__(self, image_size: int = 32, num_frames: int = 16, channels: int = 1, seed: int = 0,
-                 split: str = "all", frame_interval: int = 1, digit_size: int | None = None, bounce: bool = True):
+                 split: str = "all", frame_interval: int = 1, digit_size: int | None = None, bounce: bool = True,
+                 border: bool = False):
         self.image_size = check_image_size(image_size)
         if self.image_size < 8:
             raise ValueError(f"moving digits need image_size >= 8 (the digit is 3/4 of the frame), got {image_size}")
@@ -68,7 +71,7 @@ class MovingDigitsDataset(Dataset):
             raise ValueError(f"digit_size {digit_size} must lie in 1..image_size ({self.image_size})")
         self.speed = max(1, self.image_size // 16) * self.frame_interval
         self._limit = self.image_size - self.digit_size  # top-left coordinates run over 0..limit
-        self.bounce = bool(bounce)
+        self.bounce, self.border = bool(bounce), bool(border)
         if not self.bounce and self.speed * (self.num_frames - 1) > self._limit:
             raise ValueError(f"bounce=False: {self.num_frames} frames at {self.speed} px per frame travel "
                              f"{self.speed * (self.num_frames - 1)} px, more than the {self._limit} px the digit "
@@ -122,6 +125,8 @@ class MovingDigitsDataset(Dataset):
         for t in range(self.num_frames):
             x, y = self.digit_position(index, t)
             frames[t, y:y + size, x:x + size] = sprite
+        if self.border:
+            frames[:, [0, -1], :] = frames[:, :, [0, -1]] = 128
         clip = torch.from_numpy(frames).float().div_(127.5).sub_(1.0).unsqueeze(0)  # [1, T, S, S]
         if self.channels == 3:
             clip = clip.expand(3, -1, -1, -1).contiguous()

@@ -1,7 +1,8 @@
 """Model families and the one registry of model names (see opendit.families.base for the interface).
 
-Built in: "dit" (image DiT), "video" (VDiT, Latte), "flux" (FLUX.1) and "wan" (Wan2.1 text-to-video); shared parts in latent.py (images
-through a frozen VAE) and gaussian.py (Gaussian diffusion), sampling outputs in writers.py. A family defined
+Built in: "dit" (image DiT), "video" (VDiT, Latte), "flux" (FLUX.1) and "wan" (Wan2.1 text-to-video); shared
+parts in latent.py (images through a frozen VAE) and gaussian.py (Gaussian diffusion), sampling outputs in
+writers.py. A family defined
 elsewhere registers itself with `register_family(family)` when its module is imported; name such modules in the
 environment variable OPENDIT_FAMILIES (comma-separated, e.g. OPENDIT_FAMILIES=my_pkg.my_family) and train.py /
 sample.py / preprocess.py know its models, options and datasets.

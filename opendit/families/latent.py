@@ -44,7 +44,8 @@ def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale")):
     updates = {}
     for key in keys:
         given, cached = getattr(cfg, key), manifest[key]
-        path = key in ("vae", "t5", "clip", "umt5")  # folders: "none" means "the cache's"; the same folder may be spelt anew
+        # folders: "none" means "the cache's"; the same folder may be spelt anew
+        path = key in ("vae", "t5", "clip", "umt5")
         if given is None or given == cached or (path and given.lower() == "none"):
             updates[key] = cached
         elif not (path and os.path.realpath(given) == os.path.realpath(cached)):

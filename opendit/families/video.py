@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from opendit.checkpoint import load_weights
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.diffusion import SAMPLERS
+from opendit.diffusion.flow import RectifiedFlow, cfg_velocity, euler_sample
 from opendit.diffusion.objective import DiffusionObjective
 from opendit.encoders.text import FixedEmbeddings, load_text_encoder, text_encoder_dim
 from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
@@ -32,6 +34,7 @@ from opendit.models.layers import Attention
 from opendit.models.vdit import VDiT
 from opendit.options import opt
 from opendit.perf import matmul_macs
+from opendit.seeding import sampling_generator
 
 
 def _spec(name, ctor, depth, hidden, heads, patch):
@@ -47,6 +50,7 @@ VIDEO_MODELS = {
     "Latte-debug": _spec("Latte-debug", Latte, 2, 64, 4, 2),
 }
 
+OBJECTIVES = ("diffusion", "flow")
 CLIP_HELP = ("a local CLIP text encoder folder (transformers save_pretrained layout, or a pipeline folder with "
              "text_encoder/)")
 
@@ -57,6 +61,9 @@ class VideoTrainOptions(GaussianTrainOptions):
     frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
                                      check="positive")
     clip: str = opt("none", CLIP_HELP + "; captions then condition instead of class labels")
+    objective: str = opt("diffusion", "diffusion: IDDPM (DDPM / DDIM sampling); flow: flow matching (the model "
+                                      "predicts the velocity at logit-normal t, Euler sampling; implies "
+                                      "--learn_sigma false)", OBJECTIVES)
 
 
 @dataclass
@@ -105,6 +112,30 @@ class VideoDiffusionObjective(DiffusionObjective):
         return x, {"text": self.text([("" if d else c) for c, d in zip(captions, drop)]).to(device)}
 
 
+class VideoFlowObjective(VideoDiffusionObjective):
+    """Flow matching on clips (--objective flow), batches and conditioning as VideoDiffusionObjective's:
+    x_t = (1 - t) x0 + t eps with t ~ sigmoid(N(0, 1)); the model, fed 1000 t as its timestep, predicts the
+    velocity eps - x0; MSE in fp32."""
+
+    def __init__(self, vae, vae_scale, text=None, drop_prob: float = 0.1):
+        super().__init__(vae, vae_scale, learn_sigma=False, text=text, drop_prob=drop_prob)
+        self.flow = RectifiedFlow(shift=False)
+
+    def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation)."""
+        t = self.flow.sample_t(x.shape[0], x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
+        if noise is None:
+            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
+        pred = model(self.flow.noisy(x, t, noise), t * 1000, **cond)
+        return self.flow.mse_per_sample(pred.float(), self.flow.target(x, noise)), t
+
+
+@dataclass
+class FlowSampler:
+    steps: int
+    progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
+
+
 def video_forward_macs(model: nn.Module) -> int:
     """Multiply-accumulates of one forward pass for ONE clip of a video model (VDiT, Latte), from its layers.
 
@@ -138,6 +169,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     name = "video"
     models = VIDEO_MODELS
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
+    samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
     cache_keys = ("num_frames", "frame_interval")
     checkpoint_formats = ("an official Latte .pt",)
     train_options = VideoTrainOptions
@@ -159,7 +191,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
                                   frame_interval=cfg.frame_interval or self.default_frame_interval)
         if cfg.num_frames < 1 or cfg.frame_interval < 1:
             raise ValueError(f"--num_frames {cfg.num_frames} and --frame_interval {cfg.frame_interval} must be >= 1")
-        return cfg
+        return dataclasses.replace(cfg, learn_sigma=False) if cfg.objective == "flow" else cfg
 
     def load_encoders(self, cfg, device, training: bool) -> VideoEncoders:
         skip_vae = training and self.dataset_spec(cfg).cache
@@ -207,6 +239,8 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
         return video_train_flops_per_sample(model)
 
     def objective(self, cfg, encoders: VideoEncoders) -> VideoDiffusionObjective:
+        if cfg.objective == "flow":
+            return VideoFlowObjective(encoders.vae, cfg.vae_scale, encoders.text, cfg.class_dropout_prob)
         return VideoDiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, encoders.text,
                                        cfg.class_dropout_prob)
 
@@ -259,12 +293,45 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
         return decode_frames(vae, latents, loaded.cfg.vae_scale) if vae is not None else latents.clamp(-1, 1)
 
     def sample_defaults(self, sample_cfg, cfg) -> dict:
-        return {**super().sample_defaults(sample_cfg, cfg), "fps": 8}
+        flow = {"sampler": "euler", "num_sampling_steps": 50} if cfg.objective == "flow" else {}
+        return {**super().sample_defaults(sample_cfg, cfg), "fps": 8, **flow}
+
+    def make_sampler(self, sample_cfg, cfg):
+        if (sample_cfg.sampler == "euler") != (cfg.objective == "flow"):
+            valid = "euler" if cfg.objective == "flow" else " or ".join(SAMPLERS)
+            raise ValueError(f"--sampler {sample_cfg.sampler} does not apply to a model trained with --objective "
+                             f"{cfg.objective}; use {valid}")
+        return FlowSampler(sample_cfg.num_sampling_steps) if cfg.objective == "flow" else \
+            super().make_sampler(sample_cfg, cfg)
+
+    @torch.no_grad()
+    def sample_latents(self, loaded, sampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
+        if not isinstance(sampler, FlowSampler):
+            return super().sample_latents(loaded, sampler, indices, conditions, sample_cfg, device)
+        model, n, scale = loaded.model, len(indices), sample_cfg.cfg_scale
+        z = torch.randn(n, *loaded.latent_shape, generator=sampling_generator(sample_cfg.seed, indices.start))
+        kwargs = self.condition_inputs(loaded, [conditions[i % len(conditions)] for i in indices], device)
+        guided = bool(kwargs) and scale > 1.0
+        if guided:  # [cond; uncond] in one pass, the second half with the null condition
+            null = self.null_inputs(loaded, n, device)
+            kwargs = {k: torch.cat([v, null[k]]) for k, v in kwargs.items()}
+
+        def velocity(x, t):
+            if not guided:
+                return model(x, t * 1000, **kwargs).float()
+            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, **kwargs).float()
+            return cfg_velocity(out[:n], out[n:], scale)
+        return euler_sample(velocity, z.to(device), torch.linspace(1, 0, sampler.steps + 1), sampler.progress)
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps)
 
     # ---- previews ------------------------------------------------------------------------------------------
+    def preview_settings(self, cfg) -> dict:
+        if cfg.objective == "flow":
+            return {"sampler": "euler", "num_sampling_steps": 20}
+        return super().preview_settings(cfg)
+
     def preview_conditions(self, cfg, dataset, rows: int) -> list:
         if is_none(cfg.clip):
             return super().preview_conditions(cfg, dataset, rows)

@@ -4,7 +4,8 @@ is trained, UMT5 token embeddings through cross-attention, Wan's causal 3-D VAE 
 sampling with diffusers' UniPC in its flow mode (Wan's default) or flow Euler.
 
 Data: the moving-digits demo (captioned "the digit 3 moving up and left"; here the digit is half the frame and
-never touches a wall, so the caption's direction holds in every frame), a CSV of path,caption, or a cache from
+never touches a wall, so the caption's direction holds in every frame, and a grey border marks the canvas's edge,
+which a model with only relative positions needs to learn where the digit goes), a CSV of path,caption, or a cache from
 preprocess.py --family wan (Wan-VAE posteriors and UMT5 embeddings: training on it loads no encoder). Caption
 dropout for classifier-free guidance replaces a caption's embedding by the empty caption's.
 
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
+from opendit.diffusion.sampling import progress_interval
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
 from opendit.encoders.text import FixedEmbeddings, load_umt5_encoder, umt5_encoder_dim
 from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_latent_shape, wan_posterior
@@ -38,7 +41,7 @@ from opendit.seeding import sampling_generator
 # sampling steps and guidance scale of Wan's generate.py, and the frame rate of its videos.
 WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
                  "Wan2.1-T2V-14B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
-                 "Wan-debug": dict(flow_shift=1.0, sampling_steps=20, cfg_scale=3.0, fps=4)}
+                 "Wan-debug": dict(flow_shift=1.0, sampling_steps=20, cfg_scale=8.0, fps=4)}
 WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name]) for name, arch in WAN_CONFIGS.items()}
 UMT5_HELP = "a local UMT5 encoder folder (UMT5EncoderModel + tokenizer, or a Wan diffusers folder with text_encoder/)"
 SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); default: the model's (Wan2.1 5)"
@@ -159,16 +162,16 @@ class WanSampler:
     progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
 
 
-def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
+def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float, progress: bool = False) -> torch.Tensor:
     """Wan's default sampler: diffusers' UniPCMultistepScheduler in flow-prediction mode with flow sigmas shifted by
     `shift` (what WanPipeline and Wan's FlowUniPCMultistepScheduler run); velocity_fn(x, t [B] in [0, 1])."""
-    from diffusers import UniPCMultistepScheduler
+    from diffusers import UniPCMultistepScheduler  # lazy: diffusers is slow to import
 
     scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
                                         use_flow_sigmas=True, flow_shift=shift)
     scheduler.set_timesteps(steps, device=x.device)
     x = x.float()
-    for t in scheduler.timesteps:
+    for t in tqdm(scheduler.timesteps, desc="sampling", disable=not progress, mininterval=progress_interval()):
         t_vec = torch.full((x.shape[0],), float(t) / 1000, dtype=torch.float32, device=x.device)
         x = scheduler.step(velocity_fn(x, t_vec).float(), t, x).prev_sample
     return x
@@ -232,8 +235,8 @@ class WanFamily(LatentImageFamily):
 
     def source_options(self, cfg, spec, channels: int, seed: int) -> dict:
         options = dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=seed, channels=channels)
-        if spec is MOVING_DIGITS:  # half the frame, clear of the walls: every frame moves as its caption says
-            options.update(digit_size=cfg.image_size // 2, bounce=False)
+        if spec is MOVING_DIGITS:  # half the frame, clear of the walls: every frame moves as its caption says;
+            options.update(digit_size=cfg.image_size // 2, bounce=False, border=True)  # a border: where walls are
         return options
 
     def load_data(self, cfg, encoders: WanEncoders):
@@ -318,7 +321,7 @@ class WanFamily(LatentImageFamily):
         return prompt_conditions(sample_cfg, cfg.model)
 
     def make_sampler(self, sample_cfg, cfg) -> WanSampler:
-        return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift or cfg.flow_shift)
+        return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift)
 
     def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
         """The latent shape of --height / --width (default: the square --image_size the model was loaded at)."""
@@ -352,7 +355,7 @@ class WanFamily(LatentImageFamily):
         if sampler.name == "euler":
             times = shift_times(torch.linspace(1, 0, sampler.steps + 1), sampler.shift)
             return euler_sample(velocity, z, times, sampler.progress)
-        return unipc_sample(velocity, z, sampler.steps, sampler.shift)
+        return unipc_sample(velocity, z, sampler.steps, sampler.shift, sampler.progress)
 
     def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
         vae = loaded.encoders.vae

@@ -59,8 +59,8 @@ _WAN_BASE = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16
 WAN_CONFIGS = {
     "Wan2.1-T2V-1.3B": dict(_WAN_BASE, dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
     "Wan2.1-T2V-14B": dict(_WAN_BASE, dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
-    "Wan-debug": dict(_WAN_BASE, dim=64, ffn_dim=128, freq_dim=32, num_heads=4, num_layers=2, text_len=16,
-                      text_dim=32),
+    "Wan-debug": dict(_WAN_BASE, patch_size=(1, 4, 4), dim=128, ffn_dim=512, freq_dim=64, num_heads=4, num_layers=4,
+                      text_len=16, text_dim=32),
 }
 
 
