@@ -21,6 +21,16 @@ def test_video_quality_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_wan_video_quality_smoke(tmp_path):
+    """--recipe wan_digits: prompts of a digit and a direction; the real clips move as their captions say."""
+    out = cli("benchmarks/video_quality.py", "--recipe", "wan_digits", "--max_steps", "3", "--batch_size", "4",
+              "--samples_per_class", "1", "--sampling_steps", "2", "--outputs", tmp_path)
+    result = result_of(out)
+    assert result["direction_real"] == 1.0 and 0 <= result["direction_generated"] <= 1
+    assert 0 <= result["generated_frame_accuracy"] <= 1 and result["clips"] == 10
+
+
+@pytest.mark.slow
 def test_flux_quality_smoke(tmp_path):
     out = cli("benchmarks/flux_quality.py", "--max_steps", "3", "--batch_size", "8", "--samples_per_digit", "1",
               "--sampling_steps", "2", "--outputs", tmp_path)

@@ -171,8 +171,8 @@ def test_flow_matching_objective_trains_and_samples_with_euler(tmp_path):
     sys.path.insert(0, str(ROOT))
     import sample
 
-    with pytest.raises(SystemExit, match="--sampler ddpm does not apply to a model trained with --objective flow"):
+    with pytest.raises(ValueError, match="--sampler ddpm does not apply to a model trained with --objective flow"):
         sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path), sampler="ddpm", out=str(out)))
     run_trainer(video_cfg(tmp_path / "d", max_steps=1))
-    with pytest.raises(SystemExit, match="--sampler euler does not apply .* --objective diffusion; use ddpm or ddim"):
+    with pytest.raises(ValueError, match="--sampler euler does not apply .* --objective diffusion; use ddpm or ddim"):
         sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path / "d"), sampler="euler", out=str(out)))

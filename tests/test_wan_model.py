@@ -96,7 +96,7 @@ def test_unsupported_settings_and_bad_inputs_are_named():
 def test_fresh_model_predicts_zero():
     model = WanModel(**WAN_CONFIGS["Wan-debug"])
     assert model.text_embedding[0].weight.std().item() == pytest.approx(0.02, rel=0.1)
-    assert model.blocks[0].modulation.std().item() == pytest.approx(64 ** -0.5, rel=0.2)
+    assert model.blocks[0].modulation.std().item() == pytest.approx(model.dim ** -0.5, rel=0.2)
     out = model(torch.randn(2, 16, 2, 4, 4), torch.tensor([10, 500]), torch.randn(2, 16, 32))
     assert torch.equal(out, torch.zeros(2, 16, 2, 4, 4))
 

@@ -18,7 +18,7 @@ from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
 from opendit.families.base import ModelSpec, match_registry
 from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
 from opendit.models.blocks import is_per_sample_layer
-from opendit.models.convert_diffusers import is_diffusers_dir, load_diffusers_dit
+from opendit.models.convert_diffusers import is_diffusers_dir, is_diffusers_dit_dir, load_diffusers_dit
 from opendit.models.dit import DIT_SIZES, DiT
 from opendit.models.layers import Attention
 from opendit.perf import matmul_macs
@@ -94,7 +94,7 @@ class DiTFamily(GaussianDiffusionFamily):
         return load_weights(path)
 
     def recognize_checkpoint(self, path: str):
-        if is_diffusers_dir(path):  # e.g. facebook/DiT-XL-2-256: its config gives the settings
+        if is_diffusers_dit_dir(path):  # e.g. facebook/DiT-XL-2-256: its config gives the settings
             kw, state = load_diffusers_dit(path)
             settings = dict(OFFICIAL_DEFAULTS, image_size=kw["input_size"] * 8, num_classes=kw["num_classes"],
                             learn_sigma=kw["learn_sigma"])

@@ -246,9 +246,9 @@ class WanFamily(LatentImageFamily):
                 raise ValueError(f"latent cache {cfg.data_path!r} holds no UMT5 embeddings (not written with "
                                  f"preprocess.py --family wan); rebuild it with --family wan --umt5 ...")
             encoders.empty = dataset.extra("empty_umt5")
-        elif not getattr(dataset, "captions", True):
-            raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has no captions; Wan trains on "
-                             f"captioned clips (a CSV of path,caption)")
+        elif getattr(dataset, "kind", "caption") != "caption":
+            raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has labels, not captions; Wan trains on "
+                             f"captioned clips: a CSV with the header path,caption")
         return dataset, cfg
 
     # ---- model ---------------------------------------------------------------------------------------------
@@ -312,9 +312,11 @@ class WanFamily(LatentImageFamily):
         return ({**settings, "model": name} if name else settings), None
 
     def sampling_config(self, cfg, given: set[str]):
-        if "umt5" not in given and (cfg.umt5 is None or is_none(cfg.umt5)):
-            raise ValueError("the checkpoint does not name its text encoder: pass --umt5 (a local UMT5 folder; a "
-                             "Wan diffusers folder holds text_encoder/ + tokenizer/: --umt5 DIR) and --vae DIR/vae")
+        missing = [k for k in ("umt5", "vae") if k not in given]
+        if missing:
+            raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in missing)} "
+                             f"(local folders; a Wan diffusers folder holds text_encoder/ + tokenizer/ and vae/: "
+                             f"--umt5 DIR --vae DIR/vae; --vae none for a pixel-space model)")
         return super().sampling_config(cfg, given)
 
     def conditions(self, sample_cfg, cfg) -> list:

@@ -34,6 +34,7 @@ from opendit.models.pos_embed import sincos_2d
 
 log = logging.getLogger(__name__)
 
+DIT_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")  # the diffusers classes that hold a DiT
 _EMB = "norm1.emb."
 # (ours, diffusers) full keys of the shared embedders (diffusers': under each block's norm1.emb), then the
 # one-to-one renames of layers with a weight and a bias
@@ -149,6 +150,18 @@ def is_diffusers_dir(path: str) -> bool:
                                                                                         "model_index.json"))
 
 
+def is_diffusers_dit_dir(path: str) -> bool:
+    """A diffusers folder whose model (or pipeline's transformer/) is a DiT, by its config's class; another
+    model's folder (e.g. a Wan transformer) is not."""
+    if not is_diffusers_dir(path):
+        return False
+    try:
+        with open(os.path.join(_model_dir(path), "config.json")) as f:
+            return json.load(f).get("_class_name") in DIT_CLASSES
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 def _model_dir(path: str) -> str:
     """A pipeline folder -> its transformer/ subfolder; a model folder -> itself."""
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -185,7 +198,7 @@ def _read_weights(folder: str) -> dict:
 def _config_to_kwargs(config: dict, folder: str) -> dict:
     """diffusers' config.json -> DiT constructor kwargs; refuses variants our DiT does not compute."""
     cls = config.get("_class_name")
-    if cls not in ("DiTTransformer2DModel", "Transformer2DModel"):
+    if cls not in DIT_CLASSES:
         raise ValueError(f"{folder!r}/config.json is a {cls!r}, not a DiT transformer; point at the DiT model "
                          "folder (or its pipeline folder)")
     need = {"norm_type": "ada_norm_zero", "activation_fn": "gelu-approximate", "attention_bias": True,
