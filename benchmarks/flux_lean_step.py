@@ -30,6 +30,28 @@ LEAN = dict(mixed_precision="bf16", master_weights="bf16_exact", optimizer_offlo
             fused_backward=True, grad_checkpoint=1, ema_decay=0.0)
 
 
+def time_lean_steps(work: Path, model: str, steps: int, blocks_to_swap: int, cuda: bool):
+    """train.py's Trainer with the LEAN options on the synthetic cache under work/cache: `steps` steps of batch 1
+    -> (set-up seconds, seconds of each step, the last loss, peak host RSS in GB)."""
+    from opendit.training.loop import Trainer
+
+    t0 = time.time()
+    cfg = cfglib.TrainConfig(model=model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
+                             max_steps=steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-5,
+                             outputs=str(work / "runs"), blocks_to_swap=blocks_to_swap, **LEAN)
+    trainer = Trainer(cfg)
+    setup_s = time.time() - t0
+    times, loader = [], iter(trainer.loader)
+    for _ in range(steps):
+        batch = next(loader)
+        t = time.time()
+        loss = float(trainer.train_step(batch)[0])
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    return setup_s, times, loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 def write_synthetic_cache(folder: Path, model: str, image_size: int, t5_tokens: int, count: int) -> None:
     """A preprocess.py-layout FLUX cache of `count` items with random values, plus stub encoder configs (the
     model's text widths are read from them)."""
@@ -81,25 +103,7 @@ def main():
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2 ** 30 / total))
-    from opendit.training.loop import Trainer
-
-    t0 = time.time()
-    cfg = cfglib.TrainConfig(model=a.model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
-                             max_steps=a.steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-5,
-                             outputs=str(work / "runs"), blocks_to_swap=a.blocks_to_swap, **LEAN)
-    trainer = Trainer(cfg)
-    setup_s = time.time() - t0
-    times = []
-    loader = iter(trainer.loader)
-    for _ in range(a.steps):
-        batch = next(loader)
-        t = time.time()
-        loss, _, _ = trainer.train_step(batch)
-        loss = float(loss)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.time() - t)
-    host_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    setup_s, times, loss, host_gb = time_lean_steps(work, a.model, a.steps, a.blocks_to_swap, cuda)
     gpu = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30) if cuda else (0, 0)
     steady = times[1:] or times
     lines = [f"# {a.model} full fine-tune step, {a.image_size}x{a.image_size}, batch 1, {a.device}"

@@ -16,9 +16,7 @@ allocate (torch.cuda.set_per_process_memory_fraction); 0 (the default) leaves th
 """
 import argparse
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.flux_lean_step import LEAN  # noqa: E402
+from benchmarks.flux_lean_step import LEAN, time_lean_steps  # noqa: E402
 from benchmarks.wan_memory import GB, WanPlan  # noqa: E402
-from opendit import config as cfglib  # noqa: E402
 from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
 from opendit.models.wan import WAN_CONFIGS  # noqa: E402
 
@@ -83,25 +80,7 @@ def main():
     if cuda and a.budget_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2 ** 30 / total))
-    from opendit.training.loop import Trainer
-
-    t0 = time.time()
-    cfg = cfglib.TrainConfig(model=a.model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
-                             max_steps=a.steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-5,
-                             outputs=str(work / "runs"), blocks_to_swap=a.blocks_to_swap, **LEAN)
-    trainer = Trainer(cfg)
-    setup_s = time.time() - t0
-    times = []
-    loader = iter(trainer.loader)
-    for _ in range(a.steps):
-        batch = next(loader)
-        t = time.time()
-        loss, _, _ = trainer.train_step(batch)
-        loss = float(loss)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.time() - t)
-    host_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    setup_s, times, loss, host_gb = time_lean_steps(work, a.model, a.steps, a.blocks_to_swap, cuda)
     gpu = (torch.cuda.max_memory_allocated() / GB, torch.cuda.max_memory_reserved() / GB) if cuda else (0, 0)
     steady = times[1:] or times
     options = " ".join(f"--{k} {v}" for k, v in LEAN.items()) + f" --blocks_to_swap {a.blocks_to_swap}"

@@ -129,6 +129,15 @@ class CLIPTextEncoder:
         return out.pooler_output.float()
 
 
+def _frozen(path: str, source: dict, model_class, device, dtype):
+    """(tokenizer, frozen eval-mode model_class on device in dtype) from the folders of `source` (see _folders)."""
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
+
+    model_dir, tok_dir = _folders(path, source)
+    model = model_class.from_pretrained(model_dir, dtype=dtype).to(device=device, dtype=dtype)
+    return AutoTokenizer.from_pretrained(tok_dir), model.eval().requires_grad_(False)
+
+
 class T5TextEncoder:
     """captions (list of str) -> T5 encoder token embeddings float32 [B, max_length, dim], frozen, no gradients.
 
@@ -138,15 +147,12 @@ class T5TextEncoder:
     """
 
     def __init__(self, path: str, device="cpu", max_length: int = 512, dtype: torch.dtype = torch.bfloat16):
-        from transformers import AutoTokenizer, T5EncoderModel  # lazy: transformers is slow to import
+        from transformers import T5EncoderModel  # lazy: transformers is slow to import
 
         if int(max_length) <= 0:
             raise ValueError(f"T5 max_length must be a positive int, got {max_length!r} (FLUX.1-dev: 512, "
                              f"FLUX.1-schnell: 256)")
-        model_dir, tok_dir = _folders(path, T5_SOURCE)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        self.model = T5EncoderModel.from_pretrained(model_dir, dtype=dtype).to(device=device, dtype=dtype)
-        self.model.eval().requires_grad_(False)
+        self.tokenizer, self.model = _frozen(path, T5_SOURCE, T5EncoderModel, device, dtype)
         self.max_length = int(max_length)
         self.device = torch.device(device)
 
@@ -177,14 +183,11 @@ class UMT5TextEncoder:
     """
 
     def __init__(self, path: str, device="cpu", max_length: int = 512, dtype: torch.dtype = torch.float32):
-        from transformers import AutoTokenizer, UMT5EncoderModel  # lazy: transformers is slow to import
+        from transformers import UMT5EncoderModel  # lazy: transformers is slow to import
 
         if int(max_length) <= 0:
             raise ValueError(f"UMT5 max_length must be a positive int, got {max_length!r} (Wan2.1: 512)")
-        model_dir, tok_dir = _folders(path, UMT5_SOURCE)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        self.model = UMT5EncoderModel.from_pretrained(model_dir, dtype=dtype).to(device=device, dtype=dtype)
-        self.model.eval().requires_grad_(False)
+        self.tokenizer, self.model = _frozen(path, UMT5_SOURCE, UMT5EncoderModel, device, dtype)
         self.max_length = int(max_length)
         self.device = torch.device(device)
 
