@@ -129,6 +129,12 @@ class CLIPTextEncoder:
         return out.pooler_output.float()
 
 
+def encoder_dtype(device) -> torch.dtype:
+    """The weights' dtype of a large frozen text encoder: bf16 on GPUs (FLUX's and Wan's setting: T5-XXL is 9.5 GB
+    in bf16), fp32 on CPUs, where bf16 matmuls are slow."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def _frozen(path: str, source: dict, model_class, device, dtype):
     """(tokenizer, frozen eval-mode model_class on device in dtype) from the folders of `source` (see _folders)."""
     from transformers import AutoTokenizer  # lazy: transformers is slow to import

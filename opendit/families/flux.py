@@ -22,7 +22,8 @@ from safetensors import safe_open
 from opendit.booster import shard_frozen
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
-from opendit.encoders.text import FixedEmbeddings, load_t5_encoder, load_text_encoder, t5_encoder_dim, text_encoder_dim
+from opendit.encoders.text import (FixedEmbeddings, encoder_dtype, load_t5_encoder, load_text_encoder, t5_encoder_dim,
+                                   text_encoder_dim)
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
@@ -95,11 +96,6 @@ class FluxEncoders:
 def empty_embeddings(cache) -> tuple[torch.Tensor, torch.Tensor]:
     """(T5 [L, D], CLIP [D]) of the empty caption, stored once in a FLUX latent cache: what text dropout uses."""
     return cache.extra("empty_t5"), cache.extra("empty_clip")
-
-
-def encoder_dtype(device) -> torch.dtype:
-    """bf16 on GPUs (FLUX's setting: T5-XXL is 9.5 GB in bf16); fp32 on CPUs, where bf16 matmuls are slow."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 class FlowObjective:

@@ -26,7 +26,7 @@ from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
 from opendit.diffusion.sampling import progress_interval
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
-from opendit.encoders.text import FixedEmbeddings, load_umt5_encoder, umt5_encoder_dim
+from opendit.encoders.text import FixedEmbeddings, encoder_dtype, load_umt5_encoder, umt5_encoder_dim
 from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_latent_shape, wan_posterior
 from opendit.families.base import ModelSpec, prompt_conditions, preview_prompts
 from opendit.families.latent import LatentImageFamily, is_none
@@ -222,8 +222,7 @@ class WanFamily(LatentImageFamily):
             raise ValueError(f"{cfg.model} needs --umt5 <local folder> (a Wan diffusers folder holds it in "
                              f"text_encoder/ + tokenizer/); the demo makes a tiny one: RECIPE=wan_digits bash "
                              f"train_video.sh")
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        text = load_umt5_encoder(cfg.umt5, device, self.text_len(cfg), dtype)
+        text = load_umt5_encoder(cfg.umt5, device, self.text_len(cfg), encoder_dtype(device))
         if training:  # UMT5-XXL is sharded like the model's weights under the plugins that keep them sharded
             shard_frozen(text.model, text.model.encoder.block, cfg.plugin)
         return WanEncoders(vae=load_wan_vae(cfg.vae, device), text=text)
