@@ -47,7 +47,8 @@ def _sp_kinds():
 @dataclass
 class TrainOptions:
     SECTIONS = {"model": "model and data", "epochs": "schedule", "optimizer": "optimizer and EMA",
-                "log_every": "logging and checkpoints", "plugin": "distributed and speed"}
+                "log_every": "logging and checkpoints", "lora_rank": "LoRA",
+                "plugin": "distributed and speed"}
     model: str = opt("DiT-S/2", "model name; its family decides data, objective and sampler", _models)
     dataset: str = opt("digits", _dataset_help, _datasets)
     data_path: str | None = opt(None, "what the dataset reads: a class-folder root, a captioned folder or table, a "
@@ -117,6 +118,15 @@ class TrainOptions:
     init_weights: str | None = opt(None, "fine-tune: start from these weights at step 0 (an official checkpoint "
                                          "such as flux1-dev.safetensors or a DiT .pt, an EMA export); keys must "
                                          "match the model exactly")
+    lora_rank: int = opt(0, "train low-rank adapters of this rank on the frozen --init_weights (LoRA); 0: train "
+                            "all weights", check="nonneg")
+    lora_alpha: float | None = opt(None, "adapter scale numerator (scale = alpha / rank); default: the rank",
+                                   check="positive")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input", check="fraction")
+    lora_targets: str | None = opt(None, "regex fully matching the Linear layers to adapt; default: the family's "
+                                         "attention and MLP layers")
+    init_lora: str | None = opt(None, "start the adapters from this LoRA file (diffusers/PEFT or kohya/ComfyUI "
+                                      "layout, e.g. one made by another tool)")
     plugin: str = opt("ddp", "how the model is made data-parallel (see the plugin table in the README)", PLUGINS)
     mixed_precision: str = opt("fp32", "compute dtype; fp16 adds dynamic loss scaling", PRECISIONS)
     tf32: bool = opt(True, "allow TF32 matmuls and convolutions on NVIDIA GPUs in fp32 compute (the published "
@@ -149,6 +159,8 @@ class SampleOptions:
                           from_checkpoint=True)
     in_channels: int | None = opt(None, "pixel-space channels when nothing says (default 1 for digits, else 3)",
                                   check="positive")
+    lora: list[str] = opt(help="LoRA files to apply without merging, each FILE or FILE:STRENGTH (diffusers/PEFT or "
+                               "kohya/ComfyUI layout; a LoRA run's checkpoint applies its own)", factory=list)
     cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's (DiT and "
                                         "video 4; FLUX 1: its guidance embedding instead, see --guidance; Wan2.1 "
                                         "5, Wan-debug 3)")

@@ -106,12 +106,16 @@ class ShardedEMA:
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, dp_group=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, trainable_only: bool = False):
         """device: where the EMA lives (None: beside each parameter; "cpu": host memory, one process only,
-        e.g. a 12B model's 48 GB fp32 EMA kept off the GPU; each update then copies the weights to the host)."""
+        e.g. a 12B model's 48 GB fp32 EMA kept off the GPU; each update then copies the weights to the host).
+        trainable_only: average only the parameters that require grad (LoRA: the adapters, not the frozen base)."""
         self.decay = self._check_decay(decay)
         self.dtype = dtype
         params = named_parameters(model)
+        self.trainable_only = trainable_only
+        if trainable_only:
+            params = {n: p for n, p in params.items() if p.requires_grad}
         plain = [p for p in params.values() if not isinstance(p, DTensor)]
         if device is not None and (len(plain) < len(params) or (dist.is_initialized() and dist.get_world_size() > 1)):
             raise ValueError("an EMA in host memory (--ema_on_host) is for one process; with several, the EMA is "
@@ -167,6 +171,8 @@ class ShardedEMA:
         """
         d = self.decay if decay is None else self._check_decay(decay)
         params = named_parameters(model)
+        if self.trainable_only:
+            params = {n: p for n, p in params.items() if p.requires_grad}
         if params.keys() != self._shards.keys():
             missing, extra = self._shards.keys() - params.keys(), params.keys() - self._shards.keys()
             raise ValueError(f"model parameters differ from the EMA's: missing {sorted(missing)[:5]}, "

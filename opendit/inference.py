@@ -20,6 +20,7 @@ from opendit.checkpoint.safe_read import safe_load
 from opendit.checkpoint.weights import ACCEPTED
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
+from opendit.lora.run import apply_lora_files, parse_lora_spec
 
 logger = logging.getLogger("opendit")
 
@@ -113,6 +114,10 @@ def load_model(cfg, device) -> LoadedModel:
     path = Path(latest_run_checkpoint(cfg.outputs) if cfg.ckpt == "latest" else cfg.ckpt)
     flags = checkpoint_overrides(cfg)
     weights, trained, state = read_checkpoint(path, flags.get("model"))
+    adapters = [parse_lora_spec(s) for s in cfg.lora]
+    if trained.get("lora_rank"):  # a LoRA run's checkpoint: its base weights, then its own adapters
+        weights, own = lora_run_weights(path, trained)
+        adapters.insert(0, (own, 1.0))
     settings = {**trained, **flags}
     name = settings.get("model")
     if name is None:
@@ -129,11 +134,25 @@ def load_model(cfg, device) -> LoadedModel:
     check_model_contract(model, name)
     load_into_meta_model(model, state if state is not None else family.load_weights(weights), f"--ckpt {path}",
                          keep_dtype=cfg.mixed_precision == "bf16")
+    apply_lora_files(model, family, adapters)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
     logger.info("loaded %s (%s, family %s, input %s, vae %s)", weights, name, family.name,
                 "x".join(map(str, shape)), run.vae)
     return LoadedModel(family, model, encoders, run, shape, weights)
+
+
+def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:
+    """(base weights, adapter file) of a LoRA run's checkpoint folder."""
+    own = path / "lora.safetensors" if path.is_dir() else None
+    if own is None or not own.is_file():
+        raise ValueError(f"{path} is a LoRA run's checkpoint without its lora.safetensors; pass the base weights as "
+                         f"--ckpt and the adapters with --lora FILE")
+    base = trained.get("init_weights")
+    if not base or not Path(base).exists():
+        raise ValueError(f"the base weights of LoRA checkpoint {path} ({base}) are not there; pass them as --ckpt "
+                         f"and the adapters with --lora {own}")
+    return base, str(own)
 
 
 def complete_sample_config(family, sample_cfg, cfg):

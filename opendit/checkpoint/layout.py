@@ -10,6 +10,7 @@ A step directory root/step-000100 holds:
   meta.json             step, world size, what is inside (for people and for resolve_checkpoint)
   manifest.json         every file above with its size and CRC-32 (manifest.py), written last
   ema.safetensors, ema.json, config.yaml   written beside it by the trainer, for sample.py (EXPORTS)
+  lora.safetensors, lora_kohya.safetensors a LoRA run's adapters (instead of ema.*), diffusers and kohya layouts
 """
 import json
 import os
@@ -24,7 +25,8 @@ from opendit.ema import ShardedEMA
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 REQUIRED = (".metadata", "trainer.pt", "meta.json", "ranks")
-EXPORTS = ("ema.safetensors", "ema.json", "config.yaml")  # written beside a saved step, not read by a resume
+# written beside a saved step, not read by a resume
+EXPORTS = ("ema.safetensors", "ema.json", "config.yaml", "lora.safetensors", "lora_kohya.safetensors")
 
 
 def step_dir_name(step: int) -> str:
@@ -66,9 +68,15 @@ def check_args(optimizer, ema, lr_scheduler) -> None:
                             "(arguments in the wrong order? pass them by keyword)")
 
 
-def app_state(model, optimizer, ema) -> dict:
-    """The DCP state dict: sharded (DTensor) or plain tensors, keyed by official FQNs."""
-    options = StateDictOptions()
+def state_options(trainable_only: bool) -> StateDictOptions:
+    """Only the trainable parameters are saved and loaded (loading then leaves the frozen ones as they are)."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def app_state(model, optimizer, ema, trainable_only: bool = False) -> dict:
+    """The DCP state dict: sharded (DTensor) or plain tensors, keyed by official FQNs. trainable_only: the
+    parameters that require grad (and buffers), not the frozen ones (a LoRA run saves its adapters only)."""
+    options = state_options(trainable_only)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
     else:

@@ -7,10 +7,10 @@ import logging
 import os
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
 from opendit.checkpoint.discovery import resolve_checkpoint
-from opendit.checkpoint.layout import EXPORTS, app_state, check_args, rank_file, read_meta
+from opendit.checkpoint.layout import EXPORTS, app_state, check_args, rank_file, read_meta, state_options
 from opendit.checkpoint.manifest import read_manifest, verify_checkpoint
 from opendit.checkpoint.safe_read import SafeReader, dcp_load, quiet_single_process, safe_load
 from opendit.distributed import current_rank, in_process_group
@@ -20,14 +20,15 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=None,
-                    checksums: bool = True) -> tuple[int, dict]:
+                    checksums: bool = True, trainable_only: bool = False) -> tuple[int, dict]:
     """Restore a step directory (from save_checkpoint, any world size or plugin) into the given objects.
 
     A collective: call on every rank, with the objects already wrapped (booster.boost) and the EMA built.
     First verifies the files it reads against manifest.json (sizes; checksums unless checksums=False, each
     rank checking a share): CheckpointCorruptError naming a bad file. Restores this rank's RNG states; a rank
     that did not exist at save time gets a deterministic seed from (step, rank), rank 0's `extra` and a
-    warning. Returns (step, this rank's extra).
+    warning. trainable_only: the checkpoint holds the trainable parameters only (save_checkpoint's flag); the
+    frozen ones stay as they are. Returns (step, this rank's extra).
     """
     check_args(optimizer, ema, lr_scheduler)
     path = resolve_checkpoint(path)
@@ -36,15 +37,15 @@ def load_checkpoint(path: str, model, optimizer=None, ema=None, lr_scheduler=Non
     meta = read_meta(path)
     if ema is not None and not meta["has_ema"]:
         raise ValueError(f"checkpoint {path!r} has no EMA; pass ema=None or start a fresh EMA from the weights")
-    state = app_state(model, optimizer, ema)
+    state = app_state(model, optimizer, ema, trainable_only)
     _check_same_model(path, state["model"])
     with quiet_single_process():
         dcp_load(state, path, no_dist=not in_process_group())
     if optimizer is None:
-        set_model_state_dict(model, state["model"], options=StateDictOptions())
+        set_model_state_dict(model, state["model"], options=state_options(trainable_only))
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions())
+                       options=state_options(trainable_only))
     if ema is not None:
         ema.load_state_dict(state["ema"])
     trainer = safe_load(os.path.join(path, "trainer.pt"))

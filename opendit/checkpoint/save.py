@@ -123,13 +123,13 @@ def _write_trainer_files(tmp: str, step: int, lr_scheduler, extra: dict | None, 
             "meta.json": write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())}
 
 
-def _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra) -> dict:
+def _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra, trainable_only) -> dict:
     """This rank's part of a save: DCP shards, its rank file (rank 0: trainer.pt, meta.json); their manifest
     entries, checksummed by this rank."""
     writer = RecordingWriter(tmp)
     try:
         with quiet_single_process():
-            dcp.save(app_state(model, optimizer, ema), checkpoint_id=tmp, storage_writer=writer,
+            dcp.save(app_state(model, optimizer, ema, trainable_only), checkpoint_id=tmp, storage_writer=writer,
                      no_dist=not in_process_group())
     except (Exception, dcp.api.CheckpointException) as e:
         if writer.write_errors:  # the OSError under torch.save's RuntimeError
@@ -144,14 +144,16 @@ def _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra) -> 
 
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_scheduler=None,
-                    extra: dict | None = None, keep_last: int | None = None) -> str:
+                    extra: dict | None = None, keep_last: int | None = None, trainable_only: bool = False) -> str:
     """Save everything needed to resume at `step` into root/step-XXXXXX and return that path.
 
     A collective: call on every rank; `root` must be on a filesystem all ranks share. `extra` is a
     picklable dict saved per rank (data positions differ per rank): sampler state, resolved config, ...
-    `keep_last`: keep only the newest K step dirs (None: keep all). Writes root/.tmp-step-XXXXXX, which
-    rank 0 renames after every rank has written and manifest.json lists every file; re-saving an existing
-    step replaces it. A failure on any rank raises on every rank (OSError naming the folder for write errors).
+    `keep_last`: keep only the newest K step dirs (None: keep all). `trainable_only`: the model's frozen
+    parameters are not saved (a LoRA run: the adapters only; resume loads them with the same flag). Writes
+    root/.tmp-step-XXXXXX, which rank 0 renames after every rank has written and manifest.json lists every
+    file; re-saving an existing step replaces it. A failure on any rank raises on every rank (OSError naming
+    the folder for write errors).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -168,7 +170,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
             failure = e
     if all(all_gather_objects(failure is None)):  # every rank writes its files into tmp, then reports them
         try:
-            entries = _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra)
+            entries = _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra, trainable_only)
         except (Exception, dcp.api.CheckpointException) as e:
             failure = e
     reports = all_gather_objects(entries if failure is None else None)

@@ -153,6 +153,8 @@ class ModelFamily:
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
     checkpoint_formats: tuple[str, ...] = ()  # foreign checkpoints recognize_checkpoint knows, for error messages
+    # --lora_targets' default: a regex fully matching the names of the Linear layers that get adapters
+    lora_targets: str = ""
     # Option dataclasses (opendit.options.opt fields) merged into train.py's, sample.py's and preprocess.py's
     # flags by opendit.config; a field of the same name in two families must have the same type and default.
     train_options: type | None = None
@@ -192,6 +194,12 @@ class ModelFamily:
         """{official key: tensor} from `path` (--init_weights, a sampled checkpoint): opendit's own formats, and
         in a family that owns one, a foreign format (e.g. a diffusers folder, converted)."""
         return load_weights(path)
+
+    def diffusers_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Official state dict -> the diffusers model's (LoRA files in the diffusers layout name diffusers
+        modules; opendit.lora.formats reads the module names off this converter); None: no diffusers model, LoRA
+        files then name the official modules."""
+        return None
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str) -> tuple[dict, dict | None] | None:

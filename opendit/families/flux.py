@@ -27,6 +27,7 @@ from opendit.encoders.text import (FixedEmbeddings, encoder_dtype, load_t5_encod
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
+from opendit.models.convert_flux_diffusers import flux_to_diffusers
 from opendit.models.flux import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
 from opendit.options import opt
 from opendit.perf import matmul_macs
@@ -187,6 +188,8 @@ class FluxSampler:
 class FluxFamily(LatentImageFamily):
     name = "flux"
     models = FLUX_MODELS
+    # attention and MLP Linears of both streams and of the single blocks
+    lora_targets = r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])|single_blocks\.\d+\.linear[12]"
     datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
     samplers = ("euler",)
     cache_keys = ("t5", "clip", "t5_max_length")
@@ -257,6 +260,9 @@ class FluxFamily(LatentImageFamily):
         return FlowObjective(encoders, cfg, self.models[cfg.model].arch["guidance_embed"], self.vae_shift)
 
     # ---- sampling ------------------------------------------------------------------------------------------
+    def diffusers_state(self, state):
+        return flux_to_diffusers(state)
+
     def recognize_checkpoint(self, path: str):
         """An official FLUX.1 transformer .safetensors (flux1-dev / flux1-schnell): the model from its keys."""
         if Path(path).suffix != ".safetensors":

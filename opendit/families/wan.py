@@ -31,7 +31,7 @@ from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_latent_shape,
 from opendit.families.base import ModelSpec, prompt_conditions, preview_prompts
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.writers import VideoWriter
-from opendit.models.convert_wan_diffusers import load_diffusers_transformer, wan_config_from_diffusers
+from opendit.models.convert_wan_diffusers import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
 from opendit.models.wan import WAN_CONFIGS, WanModel, load_wan_weights
 from opendit.options import opt
 from opendit.perf import matmul_macs
@@ -180,6 +180,7 @@ def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float, progres
 class WanFamily(LatentImageFamily):
     name = "wan"
     models = WAN_MODELS
+    lora_targets = r"blocks\.\d+\.((self|cross)_attn\.[qkvo]|ffn\.[02])"  # attention and MLP Linears
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = SAMPLERS
     cache_keys = ("num_frames", "frame_interval", "umt5")
@@ -294,6 +295,9 @@ class WanFamily(LatentImageFamily):
         return super().load_weights(path)
 
     # ---- sampling ------------------------------------------------------------------------------------------
+    def diffusers_state(self, state):
+        return wan_to_diffusers(state)
+
     def recognize_checkpoint(self, path: str):
         """An official Wan2.1 T2V folder or a diffusers Wan folder: the model from its config; a pipeline folder
         also names its VAE and UMT5."""

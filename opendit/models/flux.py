@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from opendit import kernels
 from opendit.kernels.attention import attention
 from opendit.models.blocks import AdaLNNorm, FinalLayer
+from opendit.models.layers import linear_weight
 from opendit.models.layers import timestep_embedding as _sinusoidal
 from opendit.parallel import SequenceParallel
 from opendit.parallel.plan import HEAD_KINDS, padded_len
@@ -190,13 +191,13 @@ class _JointSP:
         self.sp, self.seq_lens = sp, None
 
 
-def _to_heads(x, weight, bias, num_heads: int, sp):
+def _to_heads(x, qkv: nn.Linear, num_heads: int, sp):
     """Tokens [B, n, D] through a fused qkv -> [3, B, h, L, Dh]: all heads of these tokens without SP, this rank's
     H/P heads over the stream's whole padded sequence with SP."""
     if sp is None:
         B, n, _ = x.shape
-        return F.linear(x, weight, bias).view(B, n, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
-    return sp.to_heads(x, weight, bias, num_heads)
+        return qkv(x).view(B, n, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
+    return sp.to_heads(x, linear_weight(qkv), qkv.bias, num_heads)
 
 
 class _Block(nn.Module):
@@ -252,7 +253,7 @@ class DoubleStreamBlock(_Block):
         """A stream's tokens -> its q, k (q/k-normed), v [B, h, L, Dh]."""
         attn = getattr(self, f"{stream}_attn")
         x = getattr(self, f"{stream}_norm1")(x, mod[0], mod[1])
-        q, k, v = _to_heads(x, attn.qkv.weight, attn.qkv.bias, self.num_heads, self._sp()[0])
+        q, k, v = _to_heads(x, attn.qkv, self.num_heads, self._sp()[0])
         q, k = attn.norm(q, k, v)
         return q, k, v
 
@@ -299,7 +300,7 @@ class SingleStreamBlock(_Block):
         else:
             # qkv rows through to_heads once per segment, so the head-parallel layout is [txt padded; img padded]
             # as the angles in pe are; the MLP rows stay local.
-            w, b = self.linear1.weight, self.linear1.bias
+            w, b = linear_weight(self.linear1), self.linear1.bias
             n_txt = padded_len(seq_lens[0], sp.size) // sp.size
             segs = [sp.to_heads(part, w[:3 * D], b[:3 * D], H) for part in (x_mod[:, :n_txt], x_mod[:, n_txt:])]
             q, k, v = torch.cat(segs, dim=3)

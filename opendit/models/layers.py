@@ -92,6 +92,13 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def linear_weight(linear: nn.Linear) -> torch.Tensor:
+    """The weight a Linear applies, for code that takes it instead of calling the layer (the sequence-parallel
+    projections): with LoRA adapters attached (opendit.lora), the weight with them merged in."""
+    merged = getattr(linear, "merged_weight", None)
+    return linear.weight if merged is None else merged()
+
+
 class Attention(nn.Module):
     """Multi-head self-attention. x [B, N, D] -> [B, N, D]; the math runs in opendit.kernels.attention.
 
@@ -118,6 +125,6 @@ class Attention(nn.Module):
             qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             out = attention(qkv[0], qkv[1], qkv[2], backend=self.attn_backend)  # [B, H, N, Dh]
         else:
-            qkv = sp.to_heads(x, self.qkv.weight, self.qkv.bias, self.num_heads)  # [3, B, H/P, N*P, Dh]
+            qkv = sp.to_heads(x, linear_weight(self.qkv), self.qkv.bias, self.num_heads)  # [3, B, H/P, N*P, Dh]
             out = sp.attend(qkv[0], qkv[1], qkv[2], self.attn_backend)  # [B, H, N, Dh]
         return self.proj(out.transpose(1, 2).reshape(B, N, D))

@@ -50,6 +50,7 @@ import torch.nn as nn
 from opendit import kernels
 from opendit.kernels.attention import attention
 from opendit.models.blocks import AdaLNNorm
+from opendit.models.layers import linear_weight
 from opendit.parallel import SequenceParallel, all_to_all, gather_seq, pad_dim
 from opendit.parallel.plan import HEAD_KINDS
 
@@ -157,7 +158,7 @@ class WanSelfAttention(nn.Module):
 
     def _fastseq_heads(self, x, freqs, sp):
         """FastSeq: this rank's chunk [B, n, dim] -> q, k (normed, rotated), v [B, H/P, nP, Dh]."""
-        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+        weight = torch.cat([linear_weight(self.q), linear_weight(self.k), linear_weight(self.v)])
         bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
         q, k, v = sp.to_heads(x, weight, bias, self.num_heads)
         q, k = (rope_apply(self._group_norm(t, norm, sp).transpose(1, 2), freqs).transpose(1, 2)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.booster import Booster, build_plugin
-from opendit.booster.precision import set_tf32
+from opendit.booster.precision import compute_dtype, set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
                                 load_into_meta_model, new_run_dir, record_files, resolve_checkpoint, save_checkpoint)
 from opendit.data import count_skipped
@@ -19,6 +19,9 @@ from opendit.distributed import all_reduce_mean, broadcast_object, default_num_w
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
+from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, export_lora, family_module_map,
+                              weights_fingerprint)
+from opendit.lora.layer import trained_adapters
 from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter
@@ -71,6 +74,7 @@ class Interval:
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
         cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
+        check_lora_flags(cfg)
         self.family = family_of(cfg.model)
         cfg = self.family.resolve_config(cfg)
         if cfg.num_workers is None:
@@ -83,6 +87,10 @@ class Trainer:
         # ranks of one sequence-parallel group draw the same noise, timesteps and label drops
         seed_everything(cfg.global_seed * self.booster.dp_size + self.booster.dp_rank)
         self.resume_from = self._resolve_resume(cfg)
+        self.lora_base = None  # LoRA: the base weights the adapters are trained on, {path, sha256}
+        if cfg.lora_rank:
+            self.lora_base = broadcast_object({"path": cfg.init_weights, "sha256": weights_fingerprint(
+                cfg.init_weights)} if self.dist.rank == 0 else None)
         self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
         self.dataset, self.cfg = self.family.load_data(cfg, self.encoders)  # settings the data decides
         self.objective = self.family.objective(self.cfg, self.encoders)
@@ -137,6 +145,8 @@ class Trainer:
                                      f"--init_weights {cfg.init_weights}", keep_dtype=cfg.master_weights != "fp32")
             else:
                 model = self.family.build_model(cfg, shape)
+            if cfg.lora_rank:  # adapters on the frozen base; the same A on every rank (seeded)
+                adapt_model(model, self.family, cfg, compute_dtype(cfg.mixed_precision))
         check_model_contract(model, cfg.model)
         configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn,
                           self.dist.device)
@@ -145,8 +155,11 @@ class Trainer:
             logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
         logger.info("%s (family %s): %.1fM parameters, input %s per sample", cfg.model, self.family.name,
                     sum(p.numel() for p in model.parameters()) / 1e6, "x".join(map(str, shape)))
-        self.mfu = MFUMeter(self.family.train_flops_per_sample(model), world_size=self.dist.world_size,
-                            device=self.dist.device)
+        flops = self.family.train_flops_per_sample(model)
+        if cfg.lora_rank:  # frozen weights get no weight gradient: forward and input gradient, 2 of the 3 passes
+            flops *= 2 / 3
+        self.mfu = MFUMeter(flops, world_size=self.dist.world_size, device=self.dist.device)
+        self.lora_map = family_module_map(self.family, model) if cfg.lora_rank else None
         return model
 
     def _split_validation(self):
@@ -186,11 +199,14 @@ class Trainer:
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
             logger.info("optimizer step: torch's fused AdamW kernel over all parameters at once (multi-tensor)")
         self.ema = None if cfg.ema_decay == 0 else ShardedEMA(  # 0: no EMA, the weights themselves are sampled
-            self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh, device="cpu" if cfg.ema_on_host else None)
+            self.model, decay=cfg.ema_decay, dp_group=self.booster.dp_mesh, device="cpu" if cfg.ema_on_host else None,
+            trainable_only=bool(cfg.lora_rank))
 
     def _resume(self) -> None:
         self.step, extra = load_checkpoint(self.resume_from, self.model, self.optimizer, ema=self.ema,
-                                           lr_scheduler=self.scheduler)
+                                           lr_scheduler=self.scheduler, trainable_only=self.lora_base is not None)
+        if self.lora_base is not None:
+            check_same_base(extra.get("lora_base"), self.cfg.init_weights, self.lora_base["sha256"], self.resume_from)
         self.loader.load_state_dict(extra["data"])
         if self.booster.scaler is not None and "loss_scaler" in extra:
             self.booster.scaler.load_state_dict(extra["loss_scaler"])
@@ -235,6 +251,17 @@ class Trainer:
         else:
             run = None
         return Path(broadcast_object(str(run) if run else None))
+
+    def _export_lora(self, path) -> None:
+        """The adapters (the EMA's when there is one) as lora.safetensors (diffusers) and lora_kohya.safetensors
+        beside the checkpoint, recording the base weights; a collective (sharded adapters are gathered)."""
+        ema_state = self.ema.full_state_dict(rank0_only=True) if self.ema is not None else None
+        adapters = trained_adapters(self.model, ema_state) if ema_state != {} else None
+        if self.dist.rank == 0:
+            meta = {"opendit_model": self.cfg.model, "opendit_base": self.lora_base["path"],
+                    "opendit_base_sha256": self.lora_base["sha256"]}
+            names = export_lora(path, adapters, self.lora_map, meta)
+            record_files(path, names)
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self) -> list[float]:
@@ -389,9 +416,14 @@ class Trainer:
         extra = {"data": self.loader.state_dict(), "config": settings}
         if self.booster.scaler is not None:
             extra["loss_scaler"] = self.booster.scaler.state_dict()
+        if self.lora_base is not None:
+            extra["lora_base"] = self.lora_base
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
-                               lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last)
-        if self.ema is not None:  # without one, sample.py reads the checkpoint's weights
+                               lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last,
+                               trainable_only=self.lora_base is not None)
+        if self.lora_base is not None:
+            self._export_lora(path)
+        elif self.ema is not None:  # without one, sample.py reads the checkpoint's weights
             export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": settings})
         if self.dist.rank == 0:
             cfglib.save_yaml(settings, Path(path) / "config.yaml")

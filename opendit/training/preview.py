@@ -51,6 +51,7 @@ from opendit.ema import clean_fqn
 from opendit.families.base import LoadedModel
 from opendit.images import rgb, strip, tile, upscale
 from opendit.inference import complete_sample_config
+from opendit.lora import add_lora
 
 logger = logging.getLogger("opendit")
 
@@ -78,7 +79,7 @@ def gather_preview_weights(model: nn.Module, ema=None) -> dict[str, torch.Tensor
     """The weights a preview samples, as full CPU tensors keyed like the unwrapped model's state dict: the EMA's
     (ShardedEMA.full_state_dict), or with ema None the model's own. A collective: call it on every rank; rank 0
     gets the tensors, the others {} (one process: the tensors)."""
-    if ema is not None:
+    if ema is not None and not ema.trainable_only:
         return ema.full_state_dict(rank0_only=True)
     state = unwrap_model(model).state_dict()
     keep = not dist.is_initialized() or dist.get_rank() == 0
@@ -88,6 +89,8 @@ def gather_preview_weights(model: nn.Module, ema=None) -> dict[str, torch.Tensor
             value = value.full_tensor()
         if keep:  # a copy: the preview model must not share storage with the one being trained
             out[clean_fqn(name)] = value.detach().to("cpu", copy=True)
+    if ema is not None:  # it averages the trained part only (LoRA's adapters): the frozen rest is the model's
+        out.update(ema.full_state_dict(rank0_only=True))
     return out
 
 
@@ -128,10 +131,10 @@ class Previewer:
         dtype = compute_dtype(self.cfg.mixed_precision) if self.device.type == "cuda" else torch.float32
         dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # fp16 runs preview in fp32
         with torch.device("meta"):  # no random init of what the weights replace
-            model = self.family.build_model(self.cfg, self.latent_shape)
+            model = self._build()
         if any(n not in model.state_dict() for n, _ in model.named_buffers()):
             # buffers computed at build time (non-persistent): build for real, then load
-            model = self.family.build_model(self.cfg, self.latent_shape)
+            model = self._build()
             model.load_state_dict(state, strict=True)
         else:
             load_into_meta_model(model, state, "preview weights")
@@ -140,6 +143,13 @@ class Previewer:
             model.to(dtype)
             cast_forward_io(model, dtype)
         return model.to(self.device)
+
+    def _build(self) -> nn.Module:
+        """The family's model; in a LoRA run with the run's adapters, unmerged, as it trains them."""
+        model = self.family.build_model(self.cfg, self.latent_shape)
+        if self.cfg.lora_rank:
+            add_lora(model, self.cfg.lora_rank, self.cfg.lora_alpha, self.cfg.lora_targets or self.family.lora_targets)
+        return model
 
     @staticmethod
     def _full_state(weights) -> dict[str, torch.Tensor]:

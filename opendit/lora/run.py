@@ -1,0 +1,108 @@
+"""What training and sampling runs need of LoRA: the adapted model of a run's flags, its exports, the base
+weights' fingerprint, and adapters applied at sampling (sample.py --lora FILE[:STRENGTH])."""
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters
+from opendit.lora.layer import (Adapter, add_lora, attach_adapters, cast_frozen_linears, linear_names,
+                                load_trained_adapters)
+
+logger = logging.getLogger("opendit")
+
+EXPORTS = {"diffusers": "lora.safetensors", "kohya": "lora_kohya.safetensors"}  # beside each LoRA checkpoint
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp")
+
+
+def check_lora_flags(cfg) -> None:
+    """The LoRA flags no run can use, before anything is built."""
+    if not cfg.lora_rank:
+        given = [f for f in ("lora_alpha", "lora_targets", "init_lora") if getattr(cfg, f) is not None]
+        if given or cfg.lora_dropout:
+            raise ValueError(f"--{(given or ['lora_dropout'])[0]} applies to LoRA runs: add --lora_rank R (e.g. 16)")
+        return
+    if not cfg.init_weights:
+        raise ValueError(f"--lora_rank {cfg.lora_rank} trains adapters on frozen base weights: pass them with "
+                         "--init_weights (an official checkpoint, a diffusers folder, an EMA export)")
+
+
+def family_module_map(family, model: nn.Module) -> ModuleMap:
+    """The family's official -> diffusers Linear map for `model` (meta tensors are fine)."""
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
+    return module_map(family.diffusers_state, shapes, linear_names(model))
+
+
+def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:
+    """Add the run's trainable adapters (frozen base) and start them from --init_lora; the frozen Linear
+    weights are stored in the compute dtype (bf16 under --mixed_precision bf16). Returns the adapted names."""
+    targets = cfg.lora_targets or family.lora_targets
+    names = add_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
+    if cfg.init_lora:
+        adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model))
+        load_trained_adapters(model, adapters, f"--init_lora {cfg.init_lora}")
+    cast = cast_frozen_linears(model, compute_dtype) if compute_dtype != torch.float32 else 0
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("LoRA rank %d (alpha %s) on %d layers: %.2fM trainable parameters%s", cfg.lora_rank,
+                cfg.lora_alpha or cfg.lora_rank, len(names), trained / 1e6,
+                f"; frozen Linear weights stored in {compute_dtype}" if cast else "")
+    return names
+
+
+def export_lora(folder: str, adapters: dict[str, Adapter], mapping: ModuleMap, metadata: dict) -> list[str]:
+    """Write the adapters in both layouts into `folder`; returns the file names."""
+    for layout, name in EXPORTS.items():
+        save_adapters(os.path.join(folder, name), adapters, layout, mapping, metadata)
+    return list(EXPORTS.values())
+
+
+def weights_fingerprint(path: str) -> str:
+    """sha256 over the weight files of `path` (a file, or a folder's weight files in sorted order, with their
+    relative names): what a LoRA checkpoint records of its base."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file() and
+                                                 f.suffix in _WEIGHT_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"no weight files at {path}")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(root) if f != root else f.name).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_same_base(saved: dict | None, path: str, fingerprint: str, checkpoint: str) -> None:
+    """Resuming a LoRA run on other base weights is a ValueError naming both."""
+    if saved is None:
+        raise ValueError(f"checkpoint {checkpoint} holds no LoRA base record (not a LoRA run's checkpoint?); resume "
+                         f"it without --lora_rank")
+    if saved["sha256"] != fingerprint:
+        raise ValueError(f"checkpoint {checkpoint} trained its adapters on base weights {saved['path']} (sha256 "
+                         f"{saved['sha256'][:12]}...), but --init_weights {path} is other weights (sha256 "
+                         f"{fingerprint[:12]}...); pass the same base weights")
+
+
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """'file.safetensors' or 'file.safetensors:0.8' -> (path, strength)."""
+    path, sep, strength = spec.rpartition(":")
+    if sep and path and not os.path.exists(spec):
+        try:
+            return path, float(strength)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def apply_lora_files(model: nn.Module, family, specs: list[tuple[str, float]]) -> None:
+    """Attach each LoRA file to the (loaded) model at its strength, unmerged."""
+    if not specs:
+        return
+    mapping, linears = family_module_map(family, model), linear_names(model)
+    for path, strength in specs:
+        n = attach_adapters(model, load_adapters(path, mapping, linears), strength, source=path)
+        logger.info("LoRA %s at strength %g on %d layers", path, strength, n)
