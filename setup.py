@@ -22,7 +22,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5"],
+        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "peft"],  # peft: diffusers loads LoRA files through it
         "kernels": ["triton"],
         "video": ["av"],
     },

@@ -33,15 +33,27 @@ LEAN = dict(mixed_precision="bf16", master_weights="bf16_exact", optimizer_offlo
 def time_lean_steps(work: Path, model: str, steps: int, blocks_to_swap: int, cuda: bool):
     """train.py's Trainer with the LEAN options on the synthetic cache under work/cache: `steps` steps of batch 1
     -> (set-up seconds, seconds of each step, the last loss, peak host RSS in GB)."""
-    from opendit.training.loop import Trainer
-
-    t0 = time.time()
     cfg = cfglib.TrainConfig(model=model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
                              max_steps=steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-5,
                              outputs=str(work / "runs"), blocks_to_swap=blocks_to_swap, **LEAN)
+    return time_trainer_steps(cfg, steps, cuda)
+
+
+def time_trainer_steps(cfg, steps: int, cuda: bool):
+    """train.py's Trainer of `cfg`: `steps` timed steps -> (set-up seconds, seconds of each step, the last loss,
+    peak host RSS in GB)."""
+    from opendit.training.loop import Trainer
+
+    t0 = time.time()
     trainer = Trainer(cfg)
     setup_s = time.time() - t0
-    times, loader = [], iter(trainer.loader)
+    times, loss = time_steps(trainer, steps, cuda)
+    return setup_s, times, loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def time_steps(trainer, steps: int, cuda: bool) -> tuple[list[float], float]:
+    """`steps` train_steps of the trainer's own batches -> (seconds of each, the last loss)."""
+    times, loader, loss = [], iter(trainer.loader), float("nan")
     for _ in range(steps):
         batch = next(loader)
         t = time.time()
@@ -49,7 +61,7 @@ def time_lean_steps(work: Path, model: str, steps: int, blocks_to_swap: int, cud
         if cuda:
             torch.cuda.synchronize()
         times.append(time.time() - t)
-    return setup_s, times, loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return times, loss
 
 
 def write_synthetic_cache(folder: Path, model: str, image_size: int, t5_tokens: int, count: int) -> None:

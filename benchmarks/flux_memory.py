@@ -18,6 +18,10 @@ Every number comes from real tensor shapes on the meta device (no storage, so a 
 - EMA: fp32 beside the weights, in host memory (--ema_on_host), or none (--ema_decay 0).
 - encoders: T5-XXL (4.76B) and CLIP-L text (0.12B) in bf16, and FLUX's autoencoder (84M) in bf16, when
   encoding on the fly; training on a preprocess.py cache loads none of them.
+- LoRA (rank 16 by default, --lora_rank): the frozen base in bf16 (or its block Linear weights in fp8, torchao's
+  float8 weight-only storage, 1 byte each), fp32 adapters with their gradients, AdamW states and EMA; activations
+  measured again with the adapters on and the base frozen (a frozen Linear keeps no input for a weight gradient,
+  the adapters keep their rank-r intermediates).
 The workspace of kernels (attention, matmul) and the allocator's fragmentation are not counted: the GPU run
 in benchmarks/gpu_check.sh measures the real peak under torch.cuda.set_per_process_memory_fraction.
 """
@@ -123,6 +127,23 @@ def option_sets(n_params: int, block_params: list[int], act: tuple[int, int, lis
     return rows
 
 
+def lora_rows(n_params: int, n_adapter: int, fp8_params: int, act: tuple[int, int, list[int]],
+              rank: int) -> list[dict]:
+    """Rows of a LoRA run: the frozen base in bf16 or with `fp8_params` of it in fp8; fp32 adapters (weights in
+    the weights column), their gradients, AdamW states and EMA; activations of the adapted model (act)."""
+    root_act, block_inputs, per_block = act
+    full_act, ckpt_act = root_act + sum(per_block), root_act + block_inputs + max(per_block)
+    adapter = dict(grads=4 * n_adapter, states=8 * n_adapter, ema=EMA_BYTES * n_adapter)
+    bf16, fp8 = 2 * n_params + 4 * n_adapter, 2 * n_params - fp8_params + 4 * n_adapter
+    return [dict(name=f"LoRA rank {rank}: bf16 base, fp32 adapters + AdamW + EMA, no checkpointing",
+                 gpu=dict(weights=bf16, activations=full_act, **adapter)),
+            dict(name=f"LoRA rank {rank}: bf16 base, grad checkpointing", gpu=dict(weights=bf16, activations=ckpt_act,
+                                                                                  **adapter)),
+            dict(name=f"LoRA rank {rank}: fp8 block Linear weights (torchao float8 weight-only: planned, not in "
+                      "opendit yet), grad checkpointing",
+                 gpu=dict(weights=fp8, activations=ckpt_act, **adapter))]
+
+
 def table(rows, label: str, encoders: float) -> str:
     parts = ("weights", "grads", "master", "states", "activations", "ema")
     head = "| option set | " + " | ".join(f"GPU {p}" for p in parts) + " | GPU total | host total |"
@@ -137,12 +158,33 @@ def table(rows, label: str, encoders: float) -> str:
     return "\n".join(out)
 
 
+def lora_table(model: Flux, a, img_tokens: int) -> str:
+    """The LoRA rows: `model` gets the flux family's default adapters (frozen base, meta device) and its
+    activations are measured again."""
+    from opendit.families import FAMILIES
+    from opendit.lora import add_lora, lora_modules
+
+    n_params = sum(q.numel() for q in model.parameters())
+    add_lora(model, a.lora_rank, None, FAMILIES["flux"].lora_targets)
+    model.to(torch.bfloat16)
+    adapted = lora_modules(model)
+    n_adapter = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    fp8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+              and m.weight.numel() >= 2 ** 20)  # the block projections torchao's weight-only float8 would take
+    act = activation_bytes(model, a.t5_tokens, img_tokens)
+    label = (f"{a.model} LoRA rank {a.lora_rank} on {len(adapted)} layers ({n_adapter / 1e6:.1f}M adapter "
+             f"parameters), {a.image_size}x{a.image_size}, batch 1, GB = 1e9 bytes")
+    return table(lora_rows(n_params, n_adapter, fp8, act, a.lora_rank), label,
+                 sum(2 * v for v in ENCODER_PARAMS.values()))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux-dev", choices=[m for m in FLUX_CONFIGS if m != "flux-debug"])
     p.add_argument("--image_size", type=int, default=1024)
     p.add_argument("--t5_tokens", type=int, default=512)
     p.add_argument("--budget_gib", type=float, default=16.0, help="GPU memory the last row must fit")
+    p.add_argument("--lora_rank", type=int, default=16, help="the LoRA rows' rank (the family's default targets)")
     p.add_argument("--out", default=None, help="also write the table to this Markdown file")
     a = p.parse_args()
     with torch.device("meta"):
@@ -158,6 +200,7 @@ def main():
     text += (f"\n\nActivations (bf16, from a meta-device forward): all saved tensors {(act[0] + sum(act[2])) / GB:.1f}"
              f" GB; with checkpointing every block: block inputs {act[1] / GB:.2f} GB + the largest block "
              f"{max(act[2]) / GB:.2f} GB + root {act[0] / GB:.2f} GB.")
+    text += "\n\n" + lora_table(model, a, img_tokens)
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")

@@ -203,8 +203,9 @@ def test_memory_accounting_and_lean_step_benchmarks_run_on_cpu(tmp_path):
         "--out", out)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "GPU total" not in line]
     gpu = [float(r.split("|")[-3].strip().strip("*")) for r in rows]
-    assert len(rows) == 5 and gpu[0] > gpu[1] > gpu[2] == gpu[3] > gpu[4]  # each option set needs less GPU memory
+    assert len(rows) == 8 and gpu[0] > gpu[1] > gpu[2] == gpu[3] > gpu[4]  # each option set needs less GPU memory
     assert gpu[4] <= 16 * 2 ** 30 / 1e9
+    assert gpu[5] > gpu[6] > gpu[7] and gpu[6] < gpu[1]  # LoRA: checkpointing, then an fp8 base, save more
     cli("benchmarks/flux_lean_step.py", "--model", "flux-debug", "--image_size", "64", "--t5_tokens", "16",
         "--device", "cpu", "--steps", "2", "--blocks_to_swap", "1", "--work", tmp_path / "lean",
         "--out", tmp_path / "lean.md")

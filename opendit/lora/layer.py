@@ -103,9 +103,10 @@ def match_targets(model: nn.Module, targets: str) -> list[str]:
     names = linear_names(model)
     found = [n for n in names if pattern.fullmatch(n)]
     if not found:
+        kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", r".\\d+.", n) for n in names))  # blocks.3.x -> blocks.\d+.x
         raise ValueError(f"--lora_targets {targets!r} matches none of the model's {len(names)} Linear layers (the "
-                         f"regex must match a whole module name, e.g. {', '.join(names[:4])}); leave it out for the "
-                         "model family's default")
+                         f"regex must match a whole module name; the layers: {', '.join(kinds)}); leave it out for "
+                         "the model family's default")
     return found
 
 
@@ -125,10 +126,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: str, dro
         linear = _attach(modules[name], dropout)
         if len(linear.lora_A):
             raise ValueError(f"{name} already has adapters; add the trained adapter first")
-        device = linear.weight.device if linear.weight.device.type != "meta" else "cpu"
-        A = torch.empty(rank, linear.in_features, device=device)
+        A = torch.empty(rank, linear.in_features, device=linear.weight.device)  # meta stays meta (to be loaded)
         nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # PEFT's (and nn.Linear's) initialisation
-        B = torch.zeros(linear.out_features, rank, device=device)
+        B = torch.zeros(linear.out_features, rank, device=linear.weight.device)
         _new_pair(linear, A, B, (alpha if alpha is not None else rank) / rank, trainable=True)
     return names
 
