@@ -104,3 +104,23 @@ def test_memory_plan_and_step_benchmark_run_on_cpu(tmp_path):
     rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| ") and "s/step" not in r]
     assert [r[1].strip() for r in rows] == ["full fine-tune", "LoRA rank 8", "LoRA / full"]
     assert 0 < float(rows[2][3]) < 0.2 and 0 < float(rows[2][5]) < 0.5  # few trainable params, a small checkpoint
+
+
+def test_compiled_blocks_with_adapters_equal_eager():
+    from opendit.booster.parallelize import apply_compile
+
+    inp = flux_inputs()
+    outs = []
+    for compiled in (False, True):
+        model = tiny_flux()
+        add_lora(model, 2, None, FAMILIES["flux"].lora_targets, dropout=0.0)
+        _randomize_adapters(model)
+        if compiled:
+            apply_compile(model, backend="aot_eager")  # train.py --compile's per-block compile (inductor there)
+        out = model(**inp)
+        out.square().mean().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-6, rtol=1e-5)
+    assert outs[1][1].keys() == outs[0][1].keys() and len(outs[0][1]) == 2 * 10
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)

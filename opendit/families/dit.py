@@ -77,7 +77,6 @@ def dit_train_flops_per_image(model, image_size: int | None = None, vae_downsamp
 class DiTFamily(GaussianDiffusionFamily):
     name = "dit"
     models = DIT_MODELS
-    lora_targets = r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])"  # attention and MLP Linears
     datasets = dataset_map(DIGITS, FOLDER, LATENTS)
     checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")
 

@@ -47,6 +47,8 @@ class GaussianDiffusionFamily(LatentImageFamily):
     class_conditional = True  # False: no labels reach the model, no guidance
     train_options = GaussianTrainOptions
     sample_options = GaussianSampleOptions
+    # the attention and MLP Linears of the adaLN-Zero blocks (opendit.models.blocks) DiT, VDiT and Latte share
+    lora_targets = r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])"
 
     @property
     def sampling_needs(self) -> tuple[str, ...]:

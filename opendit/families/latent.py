@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opendit.data import read_manifest
+from opendit.data import CAPTIONED_DIGITS, DIGITS, read_manifest
+from opendit.data.digits import parse_digits
 from opendit.encoders.vae import SD_VAE_SCALE, decode, load_vae, vae_geometry
 from opendit.families.base import ModelFamily
 from opendit.families.writers import ImageWriter
@@ -92,7 +93,13 @@ class LatentImageFamily(ModelFamily):
 
     def load_data(self, cfg, encoders):
         spec = self.dataset_spec(cfg)
-        dataset = spec(cfg.data_path, cfg.image_size, **self.dataset_options(cfg, encoders, spec))
+        options = self.dataset_options(cfg, encoders, spec)
+        if cfg.digits is not None:
+            if spec not in (DIGITS, CAPTIONED_DIGITS):
+                raise ValueError(f"--digits {cfg.digits}: only the built-in digits and captioned_digits datasets "
+                                 f"have digit classes, not --dataset {spec.name}; leave it out")
+            options["digits"] = parse_digits(cfg.digits)
+        dataset = spec(cfg.data_path, cfg.image_size, **options)
         return dataset, self.data_settings(cfg, dataset)
 
     def dataset_options(self, cfg, encoders, spec) -> dict:

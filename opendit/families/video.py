@@ -168,7 +168,6 @@ def video_train_flops_per_sample(model: nn.Module) -> float:
 class VideoDiffusionFamily(GaussianDiffusionFamily):
     name = "video"
     models = VIDEO_MODELS
-    lora_targets = r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])"  # attention and MLP Linears
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
     cache_keys = ("num_frames", "frame_interval")

@@ -30,16 +30,27 @@ def check_lora_flags(cfg) -> None:
                          "--init_weights (an official checkpoint, a diffusers folder, an EMA export)")
 
 
+def diffusers_converter(family):
+    """The family's official -> diffusers state converter, None when it has no diffusers model (DiT, the video
+    DiTs: the base class's diffusers_state returns None, which module_map cannot call)."""
+    from opendit.families.base import ModelFamily
+
+    return None if type(family).diffusers_state is ModelFamily.diffusers_state else family.diffusers_state
+
+
 def family_module_map(family, model: nn.Module) -> ModuleMap:
     """The family's official -> diffusers Linear map for `model` (meta tensors are fine)."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
-    return module_map(family.diffusers_state, shapes, linear_names(model))
+    return module_map(diffusers_converter(family), shapes, linear_names(model))
 
 
 def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:
     """Add the run's trainable adapters (frozen base) and start them from --init_lora; the frozen Linear
     weights are stored in the compute dtype (bf16 under --mixed_precision bf16). Returns the adapted names."""
     targets = cfg.lora_targets or family.lora_targets
+    if not targets:
+        raise ValueError(f"model family {family.name!r} names no default LoRA targets: pass --lora_targets REGEX "
+                         f"(the Linear layers to adapt, e.g. 'blocks\\.\\d+\\.attn\\.qkv')")
     names = add_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
     if cfg.init_lora:
         adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model))
