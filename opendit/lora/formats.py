@@ -118,7 +118,9 @@ def from_diffusers(state: dict, metadata: dict | None, mapping: ModuleMap, sourc
     for target, (A, B, alpha) in pieces.items():
         name, rows = where[target]
         grouped.setdefault(name, []).append((rows, A, B, alpha))
-    return {name: _fuse(parts, sum(len(r) for r, *_ in parts), name, source) for name, parts in grouped.items()}
+    # the official layer's rows are those of all its diffusers layers, adapted or not (a piece left out is refused)
+    return {name: _fuse(parts, sum(len(r) for _, r in mapping[name]), name, source)
+            for name, parts in grouped.items()}
 
 
 def _read_config(metadata: dict | None) -> dict:
@@ -140,13 +142,18 @@ def _alpha_for(config: dict, target: str, rank: int) -> float:
 
 def _fuse(parts: list, out_rows: int, name: str, source: str) -> Adapter:
     """The official layer's adapter from the adapters of the diffusers layers holding its rows."""
+    for rows, _, Bp, _ in parts:
+        if Bp.shape[0] != len(rows):
+            raise ValueError(f"{source}: an adapter of {name} makes {Bp.shape[0]} rows where this model's layer has "
+                             f"{len(rows)}; it is for another model size")
     covered = torch.cat([rows for rows, *_ in parts])
-    if sorted(covered.tolist()) != list(range(out_rows)):
-        raise ValueError(f"{source}: the adapters of {name} cover {len(set(covered.tolist()))} of its rows; an "
-                         f"adapter on part of a fused layer (e.g. only its q projection) is padded with zeros")
+    if len(set(covered.tolist())) != len(covered):
+        raise ValueError(f"{source}: two adapters of {name} write the same rows; the file is inconsistent")
+    # rows no adapter covers (diffusers' usual FLUX LoRA adapts attn.to_q/k/v but not proj_mlp, both parts of
+    # the single blocks' linear1) get zero rows of B: they change by zero, as in the file
     A0, alpha0 = parts[0][1], parts[0][3]
     if all(torch.equal(A, A0) and alpha == alpha0 for _, A, _, alpha in parts):
-        B = torch.empty(out_rows, A0.shape[0], dtype=parts[0][2].dtype)
+        B = torch.zeros(out_rows, A0.shape[0], dtype=parts[0][2].dtype)
         for rows, _, Bp, _ in parts:
             B[rows] = Bp
         return Adapter(A0, B, alpha0)
