@@ -35,9 +35,8 @@ def module_map(to_diffusers: Callable[[dict], dict] | None, shapes: dict[str, tu
                linears: list[str]) -> ModuleMap:
     """Where each official Linear's rows go in the diffusers model, found by converting a probe state dict (one
     column per tensor, each Linear weight row holding its own number) with the family's converter. Without a
-    converter every Linear keeps its official name."""
-    if to_diffusers is None:
-        return {name: [(name, torch.arange(shapes[f"{name}.weight"][0]))] for name in linears}
+    converter (None, or one that returns None: a family without a diffusers model) every Linear keeps its
+    official name."""
     wanted = {f"{n}.weight": n for n in linears}
     probe, starts, owners, next_id = {}, [], [], 0
     for key, shape in shapes.items():
@@ -49,9 +48,12 @@ def module_map(to_diffusers: Callable[[dict], dict] | None, shapes: dict[str, tu
             next_id += rows
         else:
             probe[key] = torch.full((rows, 1), -1.0, dtype=torch.float64)
+    converted = to_diffusers(probe) if to_diffusers is not None else None
+    if converted is None:
+        return {name: [(name, torch.arange(shapes[f"{name}.weight"][0]))] for name in linears}
     starts_t = torch.tensor(starts, dtype=torch.float64)
     found: ModuleMap = {}
-    for key, t in to_diffusers(probe).items():
+    for key, t in converted.items():
         ids = t.flatten()
         if not key.endswith(".weight") or ids.numel() == 0 or ids[0] < 0:
             continue

@@ -30,18 +30,10 @@ def check_lora_flags(cfg) -> None:
                          "--init_weights (an official checkpoint, a diffusers folder, an EMA export)")
 
 
-def diffusers_converter(family):
-    """The family's official -> diffusers state converter, None when it has no diffusers model (DiT, the video
-    DiTs: the base class's diffusers_state returns None, which module_map cannot call)."""
-    from opendit.families.base import ModelFamily
-
-    return None if type(family).diffusers_state is ModelFamily.diffusers_state else family.diffusers_state
-
-
 def family_module_map(family, model: nn.Module) -> ModuleMap:
     """The family's official -> diffusers Linear map for `model` (meta tensors are fine)."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
-    return module_map(diffusers_converter(family), shapes, linear_names(model))
+    return module_map(family.diffusers_state, shapes, linear_names(model))
 
 
 def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:
@@ -51,11 +43,17 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
     if not targets:
         raise ValueError(f"model family {family.name!r} names no default LoRA targets: pass --lora_targets REGEX "
                          f"(the Linear layers to adapt, e.g. 'blocks\\.\\d+\\.attn\\.qkv')")
+    full_run = [p for p in model.parameters() if p.requires_grad]  # what a run without LoRA would train
     names = add_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
     if cfg.init_lora:
         adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model))
         load_trained_adapters(model, adapters, f"--init_lora {cfg.init_lora}")
     cast = cast_frozen_linears(model, compute_dtype) if compute_dtype != torch.float32 else 0
+    if cfg.master_weights != "fp32":  # bf16 weights run without autocast (the ddp plugin casts the inputs): the
+        for p in full_run:  # rest of the base (patch embedding, embedding tables) is bf16 too, as in a full run
+            if p.is_floating_point() and p.dtype != compute_dtype:
+                p.data = p.data.to(compute_dtype)
+                cast += 1
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("LoRA rank %d (alpha %s) on %d layers: %.2fM trainable parameters%s", cfg.lora_rank,
                 cfg.lora_alpha or cfg.lora_rank, len(names), trained / 1e6,
