@@ -368,3 +368,16 @@ def test_a_sharded_lora_run_resumes_exactly(two_process_runs):
     (full, full_adapters), (resumed, resumed_adapters) = (two_process_runs[k] for k in ("fsdp-full", "fsdp-resumed"))
     assert resumed == full[2:]
     assert_equal_states(resumed_adapters, full_adapters)
+
+
+def test_sampling_a_lora_checkpoint_whose_base_moved_names_the_fix(tmp_path):
+    from opendit.inference import lora_run_weights
+
+    step = tmp_path / "step-000010"
+    step.mkdir()
+    with pytest.raises(ValueError, match="without its lora.safetensors; pass the base weights as --ckpt"):
+        lora_run_weights(step, {"init_weights": str(tmp_path / "base.safetensors")})
+    (step / "lora.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"base.safetensors\) are not there; pass them as --ckpt and the adapters "
+                                         r"with --lora .*step-000010/lora.safetensors"):
+        lora_run_weights(step, {"init_weights": str(tmp_path / "base.safetensors")})
