@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Launch FLUX training. RECIPE=digits (the built-in demo, CPU-sized: flux-debug on 16 px captioned digits through
-# tiny random local T5 / CLIP encoders, made on first use) or RECIPE=finetune (a full fine-tune of flux-dev from
-# the official weights with the memory-lean options). NGPU, MODEL and extra flags come from the environment /
-# command line:
+# tiny random local T5 / CLIP encoders, made on first use), RECIPE=lora_digits (the LoRA demo: a flux-debug base
+# trained on the digits 0-4 only, then a rank-8 LoRA on 5-9 with their captions; benchmarks/lora_quality.py
+# scores it) or RECIPE=finetune (a full fine-tune of flux-dev from the official weights with the memory-lean
+# options). NGPU, MODEL and extra flags come from the environment / command line:
 #   RECIPE=digits bash train_flux.sh                                             # CPU demo
+#   RECIPE=lora_digits bash train_flux.sh                                        # CPU LoRA demo (extra flags: LoRA)
 #   RECIPE=finetune FLUX=/models/FLUX.1-dev DATA=/data/my_images bash train_flux.sh
 # FLUX is a local copy of the FLUX.1-dev repository (flux1-dev.safetensors, vae/, text_encoder/, tokenizer/,
 # text_encoder_2/, tokenizer_2/); DATA a folder of images with a .txt caption beside each (or a CSV / JSONL of
@@ -11,6 +13,13 @@
 set -euo pipefail
 NGPU=${NGPU:-1}
 RECIPE=${RECIPE:-digits}
+launch() {
+  if [ "$NGPU" -gt 1 ]; then
+    torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"
+  else
+    python train.py "$@"
+  fi
+}
 case "$RECIPE" in
   digits)
     MODEL=${MODEL:-flux-debug}
@@ -20,6 +29,46 @@ case "$RECIPE" in
     set -- --model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --t5 "$ENC/t5" --clip "$ENC/clip" \
       --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
       --num_workers 0 "$@" ;;
+  lora_digits)
+    # OUT/base: the base's run (skipped when its last checkpoint is there; an interrupted one resumes);
+    # OUT/lora: a new LoRA run each time. BASE_STEPS, LORA_STEPS, BATCH and RANK size them. The LoRA stage has
+    # no text dropout: every caption names a new digit (the empty caption, which CFG's negative uses, is left
+    # as the base made it; with dropout the adapter forgets 0-4 faster).
+    MODEL=${MODEL:-flux-debug}
+    ENC=${ENC:-outputs/flux_demo_encoders}
+    OUT=${OUT:-outputs/flux_lora_digits}
+    BASE_STEPS=${BASE_STEPS:-1200}
+    LORA_STEPS=${LORA_STEPS:-600}
+    BATCH=${BATCH:-64}
+    RANK=${RANK:-8}
+    [ -f "$ENC/t5/config.json" ] || python -m opendit.encoders.tiny_t5 "$ENC/t5"
+    [ -f "$ENC/clip/config.json" ] || python -m opendit.encoders.tiny_clip "$ENC/clip" --words digits
+    common=(--model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --t5 "$ENC/t5" --clip "$ENC/clip"
+            --batch_size "$BATCH" --ema_decay 0.995 --num_workers 0)
+    last=$(printf 'step-%06d' "$BASE_STEPS")
+    base=$(ls -d "$OUT"/base/*/checkpoints/"$last"/ema.safetensors 2>/dev/null | sort | tail -n 1 || true)
+    if [ -z "$base" ]; then
+      echo "== stage 1: the $MODEL base on the digits 0-4 ($BASE_STEPS steps) -> $OUT/base"
+      start=$SECONDS
+      launch "${common[@]}" --digits 0-4 --lr 1e-3 --max_steps "$BASE_STEPS" --ckpt_every "$BASE_STEPS" \
+        --log_every 100 --load auto --outputs "$OUT/base"
+      echo "== stage 1 took $((SECONDS - start)) s"
+      base=$(ls -d "$OUT"/base/*/checkpoints/"$last"/ema.safetensors | sort | tail -n 1)
+    else
+      echo "== stage 1: done, the base is $base"
+    fi
+    start=$SECONDS
+    echo "== stage 2: a rank-$RANK LoRA on the digits 5-9 ($LORA_STEPS steps) -> $OUT/lora"
+    launch "${common[@]}" --digits 5-9 --init_weights "$base" --lora_rank "$RANK" --lr 2e-3 --text_dropout_prob 0 \
+      --max_steps "$LORA_STEPS" --ckpt_every "$LORA_STEPS" --log_every 100 --outputs "$OUT/lora" "$@"
+    echo "== stage 2 took $((SECONDS - start)) s"
+    lora=$(ls -d "$OUT"/lora/*/checkpoints/step-* | sort | tail -n 1)
+    echo "base (trained on 0-4): $base"
+    echo "LoRA checkpoint (base + adapter): $lora"
+    echo "adapter file (diffusers layout; kohya: lora_kohya.safetensors): $lora/lora.safetensors"
+    echo "sample: python sample.py --ckpt $lora --prompts \"a handwritten seven\" --cfg_scale 4" \
+      "  # or --ckpt $base --lora $lora/lora.safetensors"
+    exit 0 ;;
   finetune)
     MODEL=${MODEL:-flux-dev}
     FLUX=${FLUX:?set FLUX to a local FLUX.1-dev folder}
@@ -29,7 +78,7 @@ case "$RECIPE" in
       --master_weights bf16_exact --optimizer_offload --optimizer_state_dtype u16 --fused_backward \
       --grad_checkpoint 1 --blocks_to_swap "${SWAP:-45}" --ema_decay 0 --max_steps 2000 --ckpt_every 500 \
       --log_every 10 "$@" ;;
-  *) echo "unknown RECIPE=$RECIPE (digits, finetune)" >&2; exit 2 ;;
+  *) echo "unknown RECIPE=$RECIPE (digits, lora_digits, finetune)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then
   exec torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"

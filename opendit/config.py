@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from opendit.booster import PLUGINS, PRECISIONS
+from opendit.data.digits import DIGITS_HELP, parse_digits
 from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
 from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES
@@ -53,6 +54,8 @@ class TrainOptions:
     dataset: str = opt("digits", _dataset_help, _datasets)
     data_path: str | None = opt(None, "what the dataset reads: a class-folder root, a captioned folder or table, a "
                                       "video CSV, or a latent cache folder")
+    digits: str | None = opt(None, f"the built-in digits datasets (digits, captioned_digits): train on these digits "
+                                   f"only, {DIGITS_HELP}; default: all ten")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "
                                        "of its downsampling (8) x the patch size", check="positive")
     num_classes: int | None = opt(None, "classes of the label embedding; default: the data's (digits 10, a "
@@ -361,6 +364,8 @@ def check_config(cfg) -> list[str]:
         check_value(fields[name], getattr(cfg, name))
     if isinstance(cfg, TrainOptions) and cfg.max_steps == 0 and cfg.epochs < 1:
         raise ValueError(f"--epochs {cfg.epochs}: must be >= 1 when --max_steps is 0; set one of them")
+    if isinstance(cfg, TrainOptions) and cfg.digits is not None:
+        parse_digits(cfg.digits)
     if isinstance(cfg, SampleOptions) and not cfg.ckpt:
         raise ValueError("--ckpt is required: an EMA .safetensors, a checkpoint folder, an official DiT .pt, "
                          "or latest (the newest checkpoint under --outputs)")

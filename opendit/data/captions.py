@@ -195,14 +195,14 @@ class CaptionedDigitsDataset(DigitsDataset):
     """The digits demo with captions: item = (float32 [channels, S, S] in [-1, 1], str caption).
 
     Item i's caption uses template mix_seed(seed, i) % len(DIGIT_TEMPLATES): the same in every epoch and
-    process. `labels` (int64 [N]) keeps the digit of each item for the quality benchmark's classifier.
-    num_classes = 0: captions condition, not labels.
+    process. `labels` (int64 [N]) keeps the digit of each item for the quality benchmark's classifier; digits
+    (e.g. (5, 6, 7, 8, 9)) keeps only those. num_classes = 0: captions condition, not labels.
     """
 
     num_classes = 0
 
-    def __init__(self, image_size: int, channels: int = 1, seed: int = 0, split: str = "all"):
-        super().__init__(image_size, channels=channels, split=split)
+    def __init__(self, image_size: int, channels: int = 1, seed: int = 0, split: str = "all", digits=None):
+        super().__init__(image_size, channels=channels, split=split, digits=digits)
         if int(seed) < 0:
             raise ValueError(f"seed must be >= 0, got {seed!r}")
         self.seed = int(seed)
@@ -217,8 +217,9 @@ class CaptionedDigitsDataset(DigitsDataset):
         return self.captions[index]
 
     def preview_prompts(self, k: int) -> list[str]:
-        """One caption per digit, the same template for all ("a handwritten zero", ...): the first k digits."""
-        return [digit_caption(d) for d in range(min(k, len(DIGIT_WORDS)))]
+        """One caption per digit, the same template for all ("a handwritten zero", ...): the first k digits (of
+        the subset it holds)."""
+        return [digit_caption(d) for d in self.digits[:k]]
 
     def __getitem__(self, index: int):
         x, _ = super().__getitem__(index)

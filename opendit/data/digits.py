@@ -11,6 +11,21 @@ from opendit.data.transforms import check_image_size, to_signed_tensor
 
 NUM_DIGITS = 1797
 SPLITS = ("all", "train", "held_out")
+DIGITS_HELP = "e.g. 0-4 or 5,7,9"
+
+
+def parse_digits(spec: str) -> tuple[int, ...]:
+    """A digit subset: "0-4" -> (0, 1, 2, 3, 4), "5,7-9" -> (5, 7, 8, 9); ValueError naming the spec otherwise."""
+    found = set()
+    for part in str(spec).replace(" ", "").split(","):
+        first, dash, last = part.partition("-")
+        if not (first.isdigit() and len(first) == 1 and (not dash or (last.isdigit() and len(last) == 1))):
+            raise ValueError(f"--digits {spec}: must list digits 0..9 and ranges, {DIGITS_HELP}")
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ValueError(f"--digits {spec}: the range {part} is empty; write it low-high, {DIGITS_HELP}")
+        found.update(range(low, high + 1))
+    return tuple(sorted(found))
 
 
 def _load_raw():
@@ -41,13 +56,14 @@ class DigitsDataset(Dataset):
     """Digits upscaled to image_size: item = (float32 [channels, S, S] in [-1, 1], int label).
 
     Ink is white on black (0 -> -1, 16 -> 1). channels=3 repeats the grey plane so RGB models
-    (and a VAE) can use it. split="train"/"held_out" use `digits_split`'s default split.
-    No flips: a mirrored digit is a different (or no) digit.
+    (and a VAE) can use it. split="train"/"held_out" use `digits_split`'s default split. digits: keep only
+    these digits (e.g. (0, 1, 2, 3, 4)); labels stay the digits and num_classes 10. No flips: a mirrored digit
+    is a different (or no) digit.
     """
 
     num_classes = 10
 
-    def __init__(self, image_size: int, channels: int = 1, split: str = "all"):
+    def __init__(self, image_size: int, channels: int = 1, split: str = "all", digits=None):
         self.image_size = check_image_size(image_size)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
@@ -59,6 +75,14 @@ class DigitsDataset(Dataset):
         else:
             train, held = digits_split()
             images, labels = train if split == "train" else held
+        if digits is not None:
+            self.digits = tuple(sorted({int(d) for d in digits}))
+            if not self.digits or not all(0 <= d <= 9 for d in self.digits):
+                raise ValueError(f"digits must be a non-empty subset of 0..9, got {digits!r}")
+            keep = np.isin(labels, self.digits)
+            images, labels = images[keep], labels[keep]
+        else:
+            self.digits = tuple(range(10))
         # 0..16 -> 0..255 uint8 once; upscaling happens per item (8x8 sources are cheap to resize)
         self._images = np.round(images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8]
         self._labels = labels
