@@ -55,7 +55,11 @@ def time_steps(trainer, steps: int, cuda: bool) -> tuple[list[float], float]:
     """`steps` train_steps of the trainer's own batches -> (seconds of each, the last loss)."""
     times, loader, loss = [], iter(trainer.loader), float("nan")
     for _ in range(steps):
-        batch = next(loader)
+        batch = next(loader, None)
+        if batch is None:  # the epoch ended: the next one, as the training loop goes on
+            trainer.loader.set_epoch(trainer.loader.sampler.epoch + 1)
+            loader = iter(trainer.loader)
+            batch = next(loader)
         t = time.time()
         loss = float(trainer.train_step(batch)[0])
         if cuda:
