@@ -31,7 +31,7 @@ def test_fresh_adapters_leave_the_output_and_only_adapters_train():
     assert len(names) == 8 * 1 + 2 * 1 and all(isinstance(m, LoRALinear) for m in lora_modules(model).values())
     # B = 0: the base model (to rounding: two calls of the same matmul may round differently with 2 threads,
     # as MKL does not promise bitwise reproducibility across buffer alignments)
-    torch.testing.assert_close(model(**inp), before, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(model(**inp), before, atol=1e-5, rtol=1e-5)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(re.search(r"\.lora_[AB]\.0$", n) for n in trainable)
     assert all(k in model.state_dict() for k in ("double_blocks.0.img_attn.qkv.weight",
