@@ -112,10 +112,8 @@ class ShardedEMA:
         trainable_only: average only the parameters that require grad (LoRA: the adapters, not the frozen base)."""
         self.decay = self._check_decay(decay)
         self.dtype = dtype
-        params = named_parameters(model)
         self.trainable_only = trainable_only
-        if trainable_only:
-            params = {n: p for n, p in params.items() if p.requires_grad}
+        params = self._averaged(model)
         plain = [p for p in params.values() if not isinstance(p, DTensor)]
         if device is not None and (len(plain) < len(params) or (dist.is_initialized() and dist.get_world_size() > 1)):
             raise ValueError("an EMA in host memory (--ema_on_host) is for one process; with several, the EMA is "
@@ -127,6 +125,11 @@ class ShardedEMA:
             for name, p in params.items():
                 self._specs[name] = self._make_spec(p, mesh)
                 self._shards[name] = self._local_param(name, p).detach().to(device=device, dtype=dtype, copy=True)
+
+    def _averaged(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """{official fqn: parameter} the EMA averages: all, or those that require grad (trainable_only)."""
+        params = named_parameters(model)
+        return {n: p for n, p in params.items() if p.requires_grad} if self.trainable_only else params
 
     @staticmethod
     def _check_decay(decay: float) -> float:
@@ -170,9 +173,7 @@ class ShardedEMA:
         full one bit for bit. decay=0 copies the weights.
         """
         d = self.decay if decay is None else self._check_decay(decay)
-        params = named_parameters(model)
-        if self.trainable_only:
-            params = {n: p for n, p in params.items() if p.requires_grad}
+        params = self._averaged(model)
         if params.keys() != self._shards.keys():
             missing, extra = self._shards.keys() - params.keys(), params.keys() - self._shards.keys()
             raise ValueError(f"model parameters differ from the EMA's: missing {sorted(missing)[:5]}, "

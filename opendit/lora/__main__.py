@@ -56,10 +56,10 @@ def merge(args) -> None:
     for path, strength in adapters:
         for name, a in load_adapters(path, mapping, linears).items():
             key = f"{name}.weight"
-            w = state[key]
-            if tuple(a.delta().shape) != tuple(w.shape):
-                raise ValueError(f"{path}: {name} makes {list(a.delta().shape)}, the base has {list(w.shape)}")
-            state[key] = (w.float() + a.delta() * strength).to(w.dtype)
+            w, delta = state[key], a.delta()
+            if delta.shape != w.shape:
+                raise ValueError(f"{path}: {name} makes {list(delta.shape)}, the base has {list(w.shape)}")
+            state[key] = (w.float() + delta * strength).to(w.dtype)
         logger.info("merged %s at strength %g", path, strength)
     export_weights(args.out, {k: v.contiguous() for k, v in state.items()}, metadata={"config": settings})
     print(f"wrote {args.out} ({len(state)} tensors, official layout)")

@@ -138,10 +138,6 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in _modules(model).items() if isinstance(m, LoRALinear) and len(m.lora_A)}
 
 
-def has_lora(model: nn.Module) -> bool:
-    return bool(lora_modules(model))
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 

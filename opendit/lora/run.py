@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 
 from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters
-from opendit.lora.layer import (Adapter, add_lora, attach_adapters, cast_frozen_linears, linear_names,
-                                load_trained_adapters)
+from opendit.distributed import current_rank
+from opendit.lora.layer import (add_lora, attach_adapters, cast_frozen_linears, linear_names, load_trained_adapters,
+                                trained_adapters)
 
 logger = logging.getLogger("opendit")
 
@@ -61,8 +62,15 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
     return names
 
 
-def export_lora(folder: str, adapters: dict[str, Adapter], mapping: ModuleMap, metadata: dict) -> list[str]:
-    """Write the adapters in both layouts into `folder`; returns the file names."""
+def export_lora(folder: str, model: nn.Module, ema, mapping: ModuleMap, metadata: dict) -> list[str]:
+    """Write the trained adapters (the EMA's when there is one) in both layouts into `folder` on rank 0; returns
+    the file names there ([] elsewhere). A collective: sharded adapters are gathered on every rank."""
+    ema_state = ema.full_state_dict(rank0_only=True) if ema is not None else None  # {} on the other ranks
+    if current_rank() != 0:
+        if ema_state is None:
+            trained_adapters(model)  # joins the gathers
+        return []
+    adapters = trained_adapters(model, ema_state)
     for layout, name in EXPORTS.items():
         save_adapters(os.path.join(folder, name), adapters, layout, mapping, metadata)
     return list(EXPORTS.values())

@@ -21,7 +21,6 @@ from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, export_lora, family_module_map,
                               weights_fingerprint)
-from opendit.lora.layer import trained_adapters
 from opendit.optim import LeanOptimizer
 from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter
@@ -252,17 +251,6 @@ class Trainer:
             run = None
         return Path(broadcast_object(str(run) if run else None))
 
-    def _export_lora(self, path) -> None:
-        """The adapters (the EMA's when there is one) as lora.safetensors (diffusers) and lora_kohya.safetensors
-        beside the checkpoint, recording the base weights; a collective (sharded adapters are gathered)."""
-        ema_state = self.ema.full_state_dict(rank0_only=True) if self.ema is not None else None
-        adapters = trained_adapters(self.model, ema_state) if ema_state != {} else None
-        if self.dist.rank == 0:
-            meta = {"opendit_model": self.cfg.model, "opendit_base": self.lora_base["path"],
-                    "opendit_base_sha256": self.lora_base["sha256"]}
-            names = export_lora(path, adapters, self.lora_map, meta)
-            record_files(path, names)
-
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self) -> list[float]:
         with self.guard:  # SIGTERM / SIGUSR1 handlers while the loop runs
@@ -421,8 +409,12 @@ class Trainer:
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
                                lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last,
                                trainable_only=self.lora_base is not None)
-        if self.lora_base is not None:
-            self._export_lora(path)
+        if self.lora_base is not None:  # the adapters for sample.py, diffusers and ComfyUI, naming their base
+            names = export_lora(path, self.model, self.ema, self.lora_map, {
+                "opendit_model": self.cfg.model, "opendit_base": self.lora_base["path"],
+                "opendit_base_sha256": self.lora_base["sha256"]})
+            if names:  # rank 0 wrote them
+                record_files(path, names)
         elif self.ema is not None:  # without one, sample.py reads the checkpoint's weights
             export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": settings})
         if self.dist.rank == 0:
