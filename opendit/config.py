@@ -100,6 +100,9 @@ class TrainOptions:
     val_data_path: str | None = opt(None, "validation data of the same --dataset kind; default: --val_samples held "
                                           "out of the training data")
     val_samples: int = opt(256, "samples the validation loss averages over", check="positive")
+    val_timesteps: int = opt(0, "score every validation sample at N equidistant noise levels k/N and average (the "
+                                "MLPerf FLUX.1 benchmark's validation loss uses 8; N forward passes per sample); 0: "
+                                "one level per sample, stratified over 4 buckets", check="nonneg")
     sample_every: int = opt(0, "steps between preview grids sampled from the EMA (fixed classes or prompts and "
                                "noise) into <run>/previews and TensorBoard; 0: off", check="nonneg")
     preview_steps: int | None = opt(None, "denoising steps of a preview; default: the family's quick setting",

@@ -19,7 +19,7 @@ def _records(run_dir, kind=None):
 def _validator(trainer, micro_batch, dp_rank=0, dp_size=1):
     booster = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, autocast=trainer.booster.autocast)
     v = trainer.validator
-    return Validator(v.dataset, v.indices, v.objective, booster, micro_batch, v.seed, v.device)
+    return Validator(v.dataset, v.indices, v.objective, booster, micro_batch, v.seed, v.device, v.timesteps)
 
 
 def test_validation_is_logged_held_out_and_independent_of_batching(tmp_path):
@@ -40,6 +40,29 @@ def test_validation_is_logged_held_out_and_independent_of_batching(tmp_path):
     for micro_batch in (3, 40):
         other = _validator(trainer, micro_batch)(trainer.model)
         assert other == pytest.approx(again, rel=1e-5)
+
+
+def test_val_timesteps_averages_every_sample_over_n_equidistant_levels(tmp_path):
+    """--val_timesteps N (the MLPerf FLUX.1 validation loss): each sample at k/N, k = 0..N-1, with its one fixed
+    noise; recomputed here by hand from the objective."""
+    from torch.utils.data import default_collate
+
+    from opendit.seeding import mix_seed
+
+    trainer, _ = run_trainer(tiny_cfg(tmp_path, max_steps=2, val_every=2, val_samples=6, val_timesteps=4))
+    v, model = trainer.validator, trainer.model
+    logged = _records(trainer.run_dir, "val")[-1]
+    model.eval()
+    with torch.no_grad():
+        batch = default_collate([v.dataset[i] for i in v.indices])
+        x, cond = v.objective.prepare(batch, v.device, train=False)
+        noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(mix_seed(v.seed, p)))
+                             for p in range(len(v.indices))])
+        levels = [v.objective.losses(model, x, cond, t_frac=torch.full((len(x),), k / 4), noise=noise)[0]
+                  for k in range(4)]
+    assert logged["val_loss"] == pytest.approx(torch.stack(levels).mean().item(), rel=1e-5)
+    assert logged["val_loss_t0"] == pytest.approx(levels[0].mean().item(), rel=1e-5)  # one level per bucket here
+    assert _validator(trainer, 5)(model) == pytest.approx(v(model), rel=1e-5)  # micro-batches cut across levels
 
 
 def test_holdout_draws_across_the_data_and_refuses_taking_it_all():

@@ -178,7 +178,7 @@ class Trainer:
             logger.info("validation: %d of %d items held out of training", len(indices), len(self.dataset))
         micro_batch = max(cfg.batch_size // self.booster.dp_size // cfg.grad_accum, 1)
         self.validator = Validator(val_data, indices, self.objective, self.booster, micro_batch, cfg.global_seed,
-                                   self.dist.device)
+                                   self.dist.device, timesteps=cfg.val_timesteps)
         return train_data
 
     def _boost(self, model: torch.nn.Module, train_data) -> None:

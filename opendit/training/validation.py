@@ -4,6 +4,9 @@ The same samples are scored every time (a held-out part of the training data, or
 fixed noise level and with fixed noise: sample i (in the validation set's order) sits in bucket i % B of the
 noise levels [0, 1/B), [1/B, 2/B), ... at the bucket's middle, and its noise is drawn from a generator seeded by
 (global_seed, i). So the number depends only on the weights: not on the step, the world size or the batch size.
+With --val_timesteps N every sample is instead scored at each of the N equidistant noise levels k/N (k = 0..N-1)
+with its one fixed noise, and the loss is their mean: the definition of the MLPerf Training FLUX.1 benchmark's
+validation loss (N = 8). It costs N forward passes per sample.
 Validation runs inside torch.random.fork_rng: the training RNG stream, and with it exact resume, is unchanged.
 
 Both losses are also reported per bucket (val_loss_t0 ... and loss_t0 ...): a diffusion loss is dominated by
@@ -79,9 +82,18 @@ class Validator:
     """The validation loss of a model over fixed samples of `dataset` (indices), split over data-parallel ranks
     (dp_rank of dp_size; ranks of one sequence-parallel group share a dp_rank and score the same samples)."""
 
-    def __init__(self, dataset, indices: list[int], objective, booster, micro_batch: int, seed: int, device):
+    def __init__(self, dataset, indices: list[int], objective, booster, micro_batch: int, seed: int, device,
+                 timesteps: int = 0):
+        if timesteps < 0:
+            raise ValueError(f"--val_timesteps {timesteps} must be >= 0 (0: one stratified noise level per sample)")
         self.dataset, self.indices, self.objective, self.booster = dataset, indices, objective, booster
-        self.micro_batch, self.seed, self.device = micro_batch, seed, device
+        self.micro_batch, self.seed, self.device, self.timesteps = micro_batch, seed, device, timesteps
+
+    def _noise_levels(self, position: int) -> list[float]:
+        """The noise levels sample `position` is scored at: its stratum's middle, or all N equidistant k/N."""
+        if not self.timesteps:
+            return [(position % BUCKETS + 0.5) / BUCKETS]
+        return [k / self.timesteps for k in range(self.timesteps)]
 
     def _shard(self) -> list[tuple[int, float]]:
         """(position in the validation set, weight) for this rank, padded with weight-0 repeats so every rank
@@ -100,7 +112,7 @@ class Validator:
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(mix_seed(self.seed, 2))  # draws inside prepare (a cached posterior sample)
-                shard = self._shard()
+                shard = [(p, t, w) for p, w in self._shard() for t in self._noise_levels(p)]
                 for start in range(0, len(shard), self.micro_batch):
                     self._score(model, shard[start:start + self.micro_batch], sums)
         finally:
@@ -108,13 +120,14 @@ class Validator:
         mean, by_bucket = sums.read("val_loss")
         return {"val_loss": mean, **by_bucket}
 
-    def _score(self, model, part: list[tuple[int, float]], sums: BucketSums) -> None:
-        positions = [p for p, _ in part]
+    def _score(self, model, part: list[tuple[int, float, float]], sums: BucketSums) -> None:
+        """part: (position in the validation set, noise level, weight) of each item of one micro-batch."""
+        positions = [p for p, _, _ in part]
         batch = default_collate([self.dataset[self.indices[p]] for p in positions])
         x, cond = self.objective.prepare(batch, self.device, train=False)
-        t_frac = torch.tensor([(p % BUCKETS + 0.5) / BUCKETS for p in positions])
+        t_frac = torch.tensor([t for _, t, _ in part])
         noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(mix_seed(self.seed, p)))
                              for p in positions]).to(self.device, x.dtype)
         with self.booster.autocast():
             losses, t = self.objective.losses(model, x, cond, t_frac=t_frac, noise=noise)
-        sums.add(losses, t, torch.tensor([w for _, w in part], device=self.device))
+        sums.add(losses, t, torch.tensor([w for _, _, w in part], device=self.device))
