@@ -118,7 +118,8 @@ def read_caption_table(path: str) -> list[tuple[str, str]]:
 
 
 class CaptionedImageDataset(ImageFolderDataset):
-    """item = (float32 [channels, S, S] in [-1, 1], str caption), ADM center crop, optional deterministic flip.
+    """item = (float32 [channels, S, S] in [-1, 1], str caption), ADM center crop, optional deterministic flip;
+    with aspect-ratio buckets [channels, H, W] of the item's bucket (see ImageFolderDataset).
 
     data_path: a folder of images with .txt captions, or a .csv / .jsonl listing (see the module doc).
     channels=1 converts to grey (ITU-R 601 luma). The flip of item i in epoch e is a pure function of
@@ -173,8 +174,8 @@ class CaptionedImageDataset(ImageFolderDataset):
     def caption(self, index: int) -> str:
         return self.samples[index][1]
 
-    def _load(self, path: str) -> Image.Image:
-        image = super()._load(path)
+    def _load(self, path: str, width: int, height: int) -> Image.Image:
+        image = super()._load(path, width, height)
         return image.convert("L") if self.channels == 1 else image
 
     def _all_unreadable(self, n: int) -> str:

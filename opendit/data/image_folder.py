@@ -14,9 +14,10 @@ import warnings
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.buckets import Bucketable
 from opendit.data.spec import DatasetSpec
 from opendit.data.skipped import SkipLog, first_readable
-from opendit.data.transforms import center_crop_arr, check_image_size, to_signed_tensor
+from opendit.data.transforms import check_image_size, resize_crop, to_signed_tensor
 from opendit.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ def _unlistable(err: OSError) -> None:
                    type(err).__name__, err.strerror or err)
 
 
-class ImageFolderDataset(Dataset):
-    """item = (float32 [3, S, S] in [-1, 1], int label), ADM center crop, optional deterministic flip.
+class ImageFolderDataset(Bucketable, Dataset):
+    """item = (float32 [3, S, S] in [-1, 1], int label), ADM center crop, optional deterministic flip; with
+    aspect-ratio buckets (`use_buckets`) [3, H, W] of the item's bucket, resized to cover it and center-cropped.
 
     The flip of item i in epoch e is a pure function of (seed, e, i): call `set_epoch(e)` before
     iterating (non-persistent DataLoader workers copy the dataset, epoch included, at each iter()).
@@ -99,21 +101,29 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, path: str) -> Image.Image:
+    def item_size(self, index: int) -> tuple[int, int, None] | None:
+        """(width, height, None) from the file's header (nothing decoded); None when it cannot be read."""
+        try:
+            with Image.open(self.samples[index][0]) as image:
+                return image.size[0], image.size[1], None
+        except Exception:  # noqa: BLE001 - any unreadable file: left out of the buckets, as a bad file is skipped
+            return None
+
+    def _load(self, path: str, width: int, height: int) -> Image.Image:
         with warnings.catch_warnings():
             # PIL warns (does not raise) between MAX_IMAGE_PIXELS and twice that: skip those too
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
                 image.load()  # decode now so truncated files fail here, not later
                 image = image.convert("RGB")
-        return center_crop_arr(image, self.image_size)
+        return resize_crop(image, width, height)
 
     def _flip(self, index: int) -> bool:
         return self.random_flip and mix_seed(self.seed, self.epoch, index) & 1 == 1
 
     def _read(self, i: int, index: int):
         path, label = self.samples[i]
-        image = self._load(path)
+        image = self._load(path, *self.target_size(i, self.image_size))
         # the flip keys on the requested index, so a replacement does not shift other items' flips
         if self._flip(index):
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

@@ -14,12 +14,20 @@ G is unchanged (a different G also resumes, from the same sample position).
 Ranks are DP ranks, not world ranks: all ranks of one sequence-parallel group pass the same DP rank
 and get the same indices.
 
+Buckets. With `groups` (each item's aspect-ratio bucket, opendit/data/buckets.py; -1: never used) an epoch's
+order is built of whole global batches from one bucket each: every bucket's items are shuffled and cut into
+global batches (the remainder is left out this epoch), and the batches are shuffled, all from (seed, epoch). So
+each rank's micro-batch holds one bucket, every rank gets the same number of items (of the same size) per step,
+and resuming at another DP size works as above.
+
 Counting. DataLoader workers prefetch ahead, so the sampler cannot tell which batches were really
 trained on; the training loop calls `advance()` once per batch it consumed (before checkpointing).
 """
+import hashlib
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -28,7 +36,8 @@ from opendit.seeding import mix_seed
 
 class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, global_batch_size: int | None = None):
+                 seed: int = 0, drop_last: bool = True, global_batch_size: int | None = None,
+                 groups: np.ndarray | None = None):
         if dataset_len <= 0:
             raise ValueError(f"dataset_len must be positive, got {dataset_len}; the dataset is empty")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
@@ -39,7 +48,10 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel size "
                 f"{num_replicas}; pick a global batch that is a multiple of {num_replicas}")
-        if drop_last and dataset_len < global_batch_size:
+        self.groups = None if groups is None else np.asarray(groups, dtype=np.int64)
+        if self.groups is not None:
+            _check_groups(self.groups, dataset_len, global_batch_size, drop_last)
+        elif drop_last and dataset_len < global_batch_size:
             raise ValueError(
                 f"the dataset has {dataset_len} samples, fewer than one global batch of {global_batch_size}, "
                 f"so an epoch would be empty; lower the global batch size or set drop_last=False")
@@ -72,6 +84,8 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last drops a final partial global batch; otherwise it is padded by wrapping around
         the permutation, so every rank gets full batches."""
         start = self.consumed if start is None else start
+        if self.groups is not None:  # whole batches only, by construction
+            return self._grouped_length()
         remaining = max(self.dataset_len - start, 0)
         rounding = math.floor if self.drop_last else math.ceil
         return start + rounding(remaining / self.global_batch_size) * self.global_batch_size
@@ -84,10 +98,31 @@ class ResumableDistributedSampler(Sampler[int]):
     def permutation(self, epoch: int | None = None) -> torch.Tensor:
         """The epoch's global order: int64 [dataset_len], identical on every rank."""
         epoch = self.epoch if epoch is None else epoch
+        if self.groups is not None:
+            return self._grouped_permutation(epoch)
         if not self.shuffle:
             return torch.arange(self.dataset_len)
         generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
         return torch.randperm(self.dataset_len, generator=generator)
+
+    def _grouped_length(self) -> int:
+        counts = np.bincount(self.groups[self.groups >= 0])
+        return int((counts // self.global_batch_size).sum()) * self.global_batch_size
+
+    def _grouped_permutation(self, epoch: int) -> torch.Tensor:
+        """int64 [epoch length]: global batches of one group each (see the module doc)."""
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+        g = self.global_batch_size
+        batches = []
+        for group in np.unique(self.groups[self.groups >= 0]):
+            members = torch.from_numpy(np.flatnonzero(self.groups == group))
+            if self.shuffle:
+                members = members[torch.randperm(len(members), generator=generator)]
+            batches += list(members[: len(members) // g * g].view(-1, g))
+        if not batches:
+            return torch.zeros(0, dtype=torch.int64)
+        order = torch.randperm(len(batches), generator=generator) if self.shuffle else torch.arange(len(batches))
+        return torch.cat([batches[i] for i in order.tolist()])
 
     def _rank_indices(self) -> torch.Tensor:
         start, end = self.consumed, self.epoch_samples()
@@ -108,8 +143,10 @@ class ResumableDistributedSampler(Sampler[int]):
     # ---- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Identical on every DP rank for a given step; independent of the DP size."""
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
-                "dataset_len": self.dataset_len}
+        state = {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "dataset_len": self.dataset_len}
+        if self.groups is not None:
+            state["groups"] = groups_fingerprint(self.groups)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"epoch", "consumed"} - set(state)
@@ -121,9 +158,35 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"the checkpoint's data position is for a dataset of {saved_len} samples, this one has "
                 f"{self.dataset_len}; resume with the same data, or start the data order afresh by not "
                 f"loading the sampler state")
+        mine = None if self.groups is None else groups_fingerprint(self.groups)
+        if state.get("groups") != mine:
+            def told(fingerprint):
+                return f"aspect-ratio buckets {fingerprint}" if fingerprint else "unbucketed data"
+            raise ValueError(
+                f"the checkpoint's data position is for {told(state.get('groups'))}, this run has {told(mine)}; "
+                f"resume with the same --buckets, --bucket_area and data, or start the data order afresh by not "
+                f"loading the sampler state")
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(
                 f"the checkpoint's data order used seed {state['seed']}, this run uses {self.seed}; "
                 f"resume with seed {state['seed']} to continue the same order")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+
+
+def groups_fingerprint(groups: np.ndarray) -> str:
+    """A short hash of the items' buckets: a resume must see the same assignment to continue the same order."""
+    return hashlib.sha256(np.ascontiguousarray(groups, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def _check_groups(groups: np.ndarray, dataset_len: int, global_batch_size: int, drop_last: bool) -> None:
+    if len(groups) != dataset_len:
+        raise ValueError(f"groups has {len(groups)} entries for a dataset of {dataset_len} items; give one per item")
+    if not drop_last:
+        raise ValueError("bucketed batches drop each bucket's remainder; drop_last=False is not supported with groups")
+    counts = np.bincount(groups[groups >= 0]) if (groups >= 0).any() else np.zeros(0, dtype=np.int64)
+    if not (counts >= global_batch_size).any():
+        raise ValueError(
+            f"no aspect-ratio bucket holds a whole global batch of {global_batch_size} (the largest holds "
+            f"{int(counts.max()) if len(counts) else 0} items), so an epoch would be empty; lower --batch_size, pass "
+            f"fewer --buckets, or add data")

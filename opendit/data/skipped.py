@@ -133,12 +133,17 @@ def _is_power_of_ten(n: int) -> bool:
 
 
 def first_readable(dataset, index: int, read):
-    """read(i) for the first i in index, index + 1, ... (cyclic) that `dataset.skips` has not found unreadable
+    """read(i) for the first i in index, index + 1, ... (cyclic; only items of index's aspect-ratio bucket when the
+    dataset has buckets) that `dataset.skips` has not found unreadable
     and that reads without an exception; a failure is recorded (path from dataset.samples[i][0]) and skipped.
     Raises RuntimeError(dataset._all_unreadable(n)) when every one of the n files is unreadable."""
     skips, n = dataset.skips, len(dataset.samples)
-    for offset in range(n):
-        i = (index + offset) % n
+    # with aspect-ratio buckets the replacement comes from the same bucket: the batch keeps one size
+    buckets = getattr(dataset, "buckets", None)
+    ring = buckets.members(index) if buckets is not None else None
+    start = 0 if ring is None else int(ring.searchsorted(index))
+    for offset in range(n if ring is None else len(ring)):
+        i = (index + offset) % n if ring is None else int(ring[(start + offset) % len(ring)])
         if i in skips.bad:
             continue
         try:

@@ -5,20 +5,23 @@ from PIL import Image
 
 
 def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
-    """ADM / DiT center crop: the result is image_size x image_size.
+    """ADM / DiT center crop: the result is image_size x image_size (resize_crop to a square)."""
+    return resize_crop(image, image_size, image_size)
 
-    Halving with a BOX filter while the short side is still >= 2 * image_size anti-aliases large
-    photos cheaply; one BICUBIC resize then brings the short side to exactly image_size, and the
-    long side is cropped symmetrically (the extra pixel of an odd margin goes to the right/bottom).
-    """
-    while min(image.size) >= 2 * image_size:
+
+def resize_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Resize until a width x height box fits inside, then crop its center: ADM's crop, for any box.
+
+    Halving with a BOX filter while both sides are still >= twice the box anti-aliases large photos cheaply; one
+    BICUBIC resize then makes the limiting side exactly its box side, and the other side is cropped symmetrically
+    (the extra pixel of an odd margin goes to the right/bottom). For a square box this is ADM's center crop."""
+    while image.size[0] >= 2 * width and image.size[1] >= 2 * height:
         image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
-    scale = image_size / min(image.size)
-    image = image.resize(tuple(round(s * scale) for s in image.size), resample=Image.BICUBIC)
-    width, height = image.size
-    left = (width - image_size) // 2
-    top = (height - image_size) // 2
-    return image.crop((left, top, left + image_size, top + image_size))
+    scale = max(width / image.size[0], height / image.size[1])
+    size = (max(width, round(image.size[0] * scale)), max(height, round(image.size[1] * scale)))
+    image = image.resize(size, resample=Image.BICUBIC)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    return image.crop((left, top, left + width, top + height))
 
 
 def to_signed_tensor(image: Image.Image) -> torch.Tensor:

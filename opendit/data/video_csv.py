@@ -17,10 +17,11 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from opendit.data.buckets import Bucketable
 from opendit.data.spec import DatasetSpec
 from opendit.data.skipped import SkipLog, first_readable
-from opendit.data.transforms import center_crop_arr, check_image_size
-from opendit.data.video_io import clip_span, read_clip, require_av
+from opendit.data.transforms import check_image_size, resize_crop
+from opendit.data.video_io import clip_span, read_clip, require_av, video_geometry
 from opendit.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ def _is_int(text: str) -> bool:
     return True
 
 
-class VideoCSVDataset(Dataset):
+class VideoCSVDataset(Bucketable, Dataset):
     """item = (float32 [channels, num_frames, S, S] in [-1, 1], int label (-1 without labels),
-    str caption ("" without captions)).
+    str caption ("" without captions)); with aspect-ratio buckets (`use_buckets`) [channels, F, H, W] of the item's
+    bucket (F frames, each resized to cover H x W and center-cropped).
 
     The clip start of item i in epoch e is a pure function of (seed, e, i): call `set_epoch(e)` before
     iterating. channels=1 converts frames to grey (ITU-R 601 luma). `num_classes` is max label + 1
@@ -124,19 +126,28 @@ class VideoCSVDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _clip(self, path: str, index: int) -> torch.Tensor:
+    def item_size(self, index: int) -> tuple[int, int, int] | None:
+        """(width, height, longest clip in frames at --frame_interval) from the video's header; None: unreadable."""
+        try:
+            width, height, frames = video_geometry(self.samples[index][0])
+        except Exception:  # noqa: BLE001 - any unreadable video: left out of the buckets, as a bad file is skipped
+            return None
+        return width, height, (frames - 1) // self.frame_interval + 1 if frames > 0 else 0
+
+    def _clip(self, path: str, index: int, width: int, height: int, num_frames: int) -> torch.Tensor:
         # the start keys on the requested index, so a replacement does not shift other items' starts
-        frames = read_clip(path, self.num_frames, self.frame_interval,
+        frames = read_clip(path, num_frames, self.frame_interval,
                            seed=mix_seed(self.seed, self.epoch, index))  # uint8 [T, H, W, 3]
         mode = "L" if self.channels == 1 else "RGB"
-        crops = [np.asarray(center_crop_arr(Image.fromarray(f), self.image_size).convert(mode)) for f in frames]
-        clip = torch.from_numpy(np.stack(crops)).reshape(self.num_frames, self.image_size, self.image_size,
-                                                         self.channels)  # [T, S, S, C] uint8
-        return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, S, S] in [-1, 1]
+        crops = [np.asarray(resize_crop(Image.fromarray(f), width, height).convert(mode)) for f in frames]
+        clip = torch.from_numpy(np.stack(crops)).reshape(num_frames, height, width, self.channels)  # [T, H, W, C]
+        return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, H, W] in [-1, 1]
 
     def _read(self, i: int, index: int):
         path, label, caption = self.samples[i]
-        return self._clip(path, index), label, caption
+        width, height = self.target_size(i, self.image_size)
+        frames = self.num_frames if self.buckets is None else self.buckets.size_of(i).frames
+        return self._clip(path, index, width, height, frames), label, caption
 
     def __getitem__(self, index: int):
         # FileNotFoundError, VideoReadError (zero bytes, corrupt, truncated, too short) and whatever else FFmpeg or

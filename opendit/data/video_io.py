@@ -53,10 +53,17 @@ def _count_frames(container, stream) -> int:
 
 def video_frame_count(path: str) -> int:
     """Frames in the first video stream of `path` (header count, else one demux pass; no decoding)."""
+    return video_geometry(path)[2]
+
+
+def video_geometry(path: str) -> tuple[int, int, int]:
+    """(width, height, frames) of the first video stream of `path`, from its header (frames: else one demux
+    pass; nothing decoded)."""
     av = require_av()
     try:
         with av.open(os.fspath(path)) as container:
-            return _count_frames(container, _video_stream(container, path))
+            stream = _video_stream(container, path)
+            return stream.codec_context.width, stream.codec_context.height, _count_frames(container, stream)
     except av.error.FileNotFoundError:
         raise
     except av.error.FFmpegError as err:

@@ -76,7 +76,7 @@ def load_wan_vae(path, device="cpu", dtype: torch.dtype = torch.float32):
     return vae
 
 
-def _factors(vae_or_config) -> tuple[int, int, int]:
+def wan_factors(vae_or_config) -> tuple[int, int, int]:
     """(z_dim, temporal factor, spatial factor): (16, 4, 8) for Wan2.1's VAE (diffusers' defaults where the config
     leaves them out, as Wan2.1's does)."""
     config = getattr(vae_or_config, "config", vae_or_config)
@@ -88,7 +88,7 @@ def wan_latent_shape(vae_or_config, num_frames: int, height: int, width: int) ->
     """(z_dim, 1 + (T - 1) // 4, H // 8, W // 8): the latent shape of one clip of T frames of H x W pixels, given an
     AutoencoderKLWan or its config (a dict, e.g. wan_vae_config's). ValueError naming --num_frames unless T = 1 + 4k,
     naming --image_size unless H and W are multiples of 8."""
-    z_dim, ft, fs = _factors(vae_or_config)
+    z_dim, ft, fs = wan_factors(vae_or_config)
     if num_frames < 1 or (num_frames - 1) % ft:
         low = 1 + ft * max(0, (num_frames - 1) // ft)
         raise ValueError(f"--num_frames {num_frames}: Wan's VAE encodes clips of 1 + {ft}k frames (the first frame "
@@ -126,7 +126,7 @@ def wan_posterior(vae, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def wan_decode(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents [B, z_dim, 1 + k, h, w] -> float32 clips [B, 3, 1 + 4k, 8h, 8w] in [-1, 1] on latents'
     device (decoded from latents * latents_std + latents_mean)."""
-    z_dim = _factors(vae)[0]
+    z_dim = wan_factors(vae)[0]
     if latents.ndim != 5 or latents.shape[1] != z_dim:
         raise ValueError(f"latents must be [B, {z_dim}, frames, h, w], got shape {tuple(latents.shape)}")
     mean, std = _stats(vae, latents.device)

@@ -15,6 +15,7 @@ from opendit.booster.precision import compute_dtype, set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
                                 load_into_meta_model, new_run_dir, record_files, resolve_checkpoint, save_checkpoint)
 from opendit.data import count_skipped
+from opendit.data.buckets import bucket_summary
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
@@ -193,6 +194,9 @@ class Trainer:
                                              shuffle=True, drop_last=True)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
+        if self.loader.sampler.groups is not None:
+            logger.info("aspect-ratio buckets (--buckets %s):\n%s", cfg.buckets, bucket_summary(
+                self.loader.sampler.groups, self.dataset.buckets.buckets, cfg.batch_size))
         # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter
         self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_opts, cfg.grad_accum)
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from opendit.data.buckets import bucket_ids
 from opendit.seeding import mix_seed
 
 logger = logging.getLogger("opendit")
@@ -95,12 +96,21 @@ class Validator:
             return [(position % BUCKETS + 0.5) / BUCKETS]
         return [k / self.timesteps for k in range(self.timesteps)]
 
-    def _shard(self) -> list[tuple[int, float]]:
-        """(position in the validation set, weight) for this rank, padded with weight-0 repeats so every rank
-        runs the same number of forward passes (sharded models gather weights in each)."""
-        mine = list(range(self.booster.dp_rank, len(self.indices), self.booster.dp_size))
-        per_rank = -(-len(self.indices) // self.booster.dp_size)
-        return [(i, 1.0) for i in mine] + [(mine[-1] if mine else 0, 0.0)] * (per_rank - len(mine))
+    def _shard(self) -> list[list[tuple[int, float]]]:
+        """Per aspect-ratio bucket (one list without buckets): (position in the validation set, weight) for this
+        rank, padded with weight-0 repeats so every rank runs the same number of forward passes (sharded models
+        gather weights in each). Items left out of the buckets (unreadable) are not scored."""
+        ids = bucket_ids(self.dataset)
+        by_bucket: dict[int, list[int]] = {}
+        for p, i in enumerate(self.indices):
+            by_bucket.setdefault(0 if ids is None else int(ids[i]), []).append(p)
+        shards = []
+        for bucket in sorted(b for b in by_bucket if b >= 0):
+            positions = by_bucket[bucket]
+            mine = positions[self.booster.dp_rank::self.booster.dp_size]
+            per_rank = -(-len(positions) // self.booster.dp_size)
+            shards.append([(p, 1.0) for p in mine] + [(mine[-1] if mine else positions[0], 0.0)] * (per_rank - len(mine)))
+        return shards
 
     @torch.no_grad()
     def __call__(self, model) -> dict:
@@ -112,9 +122,10 @@ class Validator:
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(mix_seed(self.seed, 2))  # draws inside prepare (a cached posterior sample)
-                shard = [(p, t, w) for p, w in self._shard() for t in self._noise_levels(p)]
-                for start in range(0, len(shard), self.micro_batch):
-                    self._score(model, shard[start:start + self.micro_batch], sums)
+                for bucket in self._shard():  # a micro-batch holds one bucket's items
+                    part = [(p, t, w) for p, w in bucket for t in self._noise_levels(p)]
+                    for start in range(0, len(part), self.micro_batch):
+                        self._score(model, part[start:start + self.micro_batch], sums)
         finally:
             model.train(was_training)
         mean, by_bucket = sums.read("val_loss")
