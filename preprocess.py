@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.cli import parse_config, run_entry, say, setup_finished
+from opendit.data.buckets import bucket_assignment, bucket_ids
 from opendit.data.latents import (ARRAYS, CACHE_DTYPES, CACHE_VERSION, FLIP_ARRAYS, MANIFEST, PARTIAL_SUFFIX,
                                   write_shard)
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
@@ -52,42 +53,60 @@ def _progress(done, total, start, skipped):
     logger.info("encoded %d/%d images (%.1f img/s, ETA %.0f s, %d unreadable skipped)", done, total, rate, eta, skipped)
 
 
-def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers):
+def _by_bucket(indices: list[int], ids) -> list[tuple[int | None, list[int]]]:
+    """[(bucket, its indices in order)]: one group of all indices without buckets; items left out of the buckets
+    (unreadable headers) are dropped."""
+    if ids is None:
+        return [(None, indices)]
+    buckets = sorted({int(ids[i]) for i in indices} - {-1})
+    return [(b, [i for i in indices if ids[i] == b]) for b in buckets]
+
+
+def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers,
+                 ids=None):
     """Encode dataset[indices] with encode(x, captions) -> {"mean", "std"[, text embeddings]} into shards
     r<rank>-<k> under folder -> (shard entries, skipped count, per-item latent shape or None when nothing was
-    encoded). Captions (sources that have them) are stored beside the labels."""
-    loader = torch.utils.data.DataLoader(_Tagged(dataset, indices), batch_size=batch_size, num_workers=num_workers)
-    shards, buf, skipped, done, start, last, shape = [], {}, 0, 0, time.time(), 0.0, None
+    encoded). Captions (sources that have them) are stored beside the labels. With aspect-ratio buckets (ids: each
+    item's bucket) the slice is encoded bucket by bucket and every shard holds one bucket (its entry records the
+    bucket and latent shape)."""
+    groups = _by_bucket(indices, ids)
+    skipped = len(indices) - sum(len(part) for _, part in groups)  # unreadable headers: left out of the buckets
+    shards, buf, done, start, last, shape = [], {}, 0, time.time(), 0.0, None
 
-    def flush():
+    def flush(bucket):
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
             embeddings = [k for k in arrays if k not in (*ARRAYS, *FLIP_ARRAYS, "label", "caption")]
-            shards.append({**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
-                           "captions": "caption" in arrays, "embeddings": embeddings})
+            entry = {**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
+                     "captions": "caption" in arrays, "embeddings": embeddings}
+            if bucket is not None:
+                entry.update(bucket=bucket, latent_shape=list(arrays["mean"].shape[1:]))
+            shards.append(entry)
         buf.clear()
 
-    for *item, ok in loader:
-        skipped += int((~ok).sum())
-        x, y = item[0][ok], item[1][ok]
-        captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
-        if len(y):
-            parts = encode(x, captions)
-            if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image; captions stay
-                parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1), None).items()})
-            shape = list(parts["mean"].shape[1:])
-            for key, value in parts.items():
-                buf.setdefault(key, []).append(value.numpy().astype(dtype))
-            buf.setdefault("label", []).append(y.numpy().astype(np.int64))
-            if captions is not None:
-                buf.setdefault("caption", []).append(np.array(captions, dtype=np.str_))
-            if sum(len(v) for v in buf["label"]) >= shard_size:
-                flush()
-        done += len(ok)
-        if rank == 0 and time.time() - last > 10:
-            _progress(done, len(indices), start, skipped)
-            last = time.time()
-    flush()
+    for bucket, part in groups:
+        loader = torch.utils.data.DataLoader(_Tagged(dataset, part), batch_size=batch_size, num_workers=num_workers)
+        for *item, ok in loader:
+            skipped += int((~ok).sum())
+            x, y = item[0][ok], item[1][ok]
+            captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
+            if len(y):
+                parts = encode(x, captions)
+                if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image; captions stay
+                    parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1), None).items()})
+                shape = list(parts["mean"].shape[1:])
+                for key, value in parts.items():
+                    buf.setdefault(key, []).append(value.numpy().astype(dtype))
+                buf.setdefault("label", []).append(y.numpy().astype(np.int64))
+                if captions is not None:
+                    buf.setdefault("caption", []).append(np.array(captions, dtype=np.str_))
+                if sum(len(v) for v in buf["label"]) >= shard_size:
+                    flush(bucket)
+            done += len(ok)
+            if rank == 0 and time.time() - last > 10:
+                _progress(done, len(indices), start, skipped)
+                last = time.time()
+        flush(bucket)
     if rank == 0:
         _progress(done, len(indices), start, skipped)
     return shards, skipped, shape
@@ -121,7 +140,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     indices = list(range(r * n // w, (r + 1) * n // w))
     shards, skipped, shape = encode_slice(lambda x, c: family.cache_encode(encoders, x, c), dataset, indices, partial,
                                           r, cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
-                                          cfg.num_workers)
+                                          cfg.num_workers, ids=bucket_ids(dataset))
     gathered = [None] * w
     dist.all_gather_object(gathered, (shards, skipped, shape))
     manifest = None
@@ -138,15 +157,28 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     return broadcast_object(manifest)
 
 
+def square_latent_shape(image_size: int, shards: list[dict], buckets) -> list[int]:
+    """A bucketed cache's model input shape: the latent of an --image_size square (what the model is built at),
+    scaled from the first shard's bucket and latent size (a video keeps that shard's latent frames)."""
+    entry = shards[0]
+    factor = buckets[entry["bucket"]].width // entry["latent_shape"][-1]
+    return [*entry["latent_shape"][:-2], image_size // factor, image_size // factor]
+
+
 def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
     shapes = [s for _, _, s in gathered if s is not None]
     if not shapes:
         raise ValueError(f"no item of --dataset {cfg.dataset} could be read; nothing to cache")
     all_shards = [s for rank_shards, _, _ in gathered for s in rank_shards]
+    assignment = bucket_assignment(dataset)
+    buckets = None if assignment is None else assignment.buckets
     manifest = dict(
         version=CACHE_VERSION, family=family.name,
         stores="VAE posterior mean and std, unscaled (latent = (mean + std * noise) * vae_scale)",
-        vae=str(cfg.vae), vae_scale=float(cfg.vae_scale), image_size=int(cfg.image_size), latent_shape=shapes[0],
+        vae=str(cfg.vae), vae_scale=float(cfg.vae_scale), image_size=int(cfg.image_size),
+        latent_shape=shapes[0] if buckets is None else square_latent_shape(cfg.image_size, all_shards, buckets),
+        buckets=cfg.buckets, bucket_area=cfg.bucket_area, bucket_frames=list(cfg.bucket_frames),
+        bucket_sizes=None if buckets is None else [[b.width, b.height, b.frames] for b in buckets],
         num_classes=int(getattr(dataset, "num_classes", 0)),
         classes=list(getattr(dataset, "classes", [str(c) for c in range(dataset.num_classes)])),
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),

@@ -138,12 +138,22 @@ class Bucketable:
         return bucket.width, bucket.height
 
 
+def bucket_assignment(dataset) -> BucketAssignment | None:
+    """The buckets of a dataset, or of the dataset it wraps (a Subset, a wrapper adding fields), None if none."""
+    while dataset is not None:
+        if getattr(dataset, "buckets", None) is not None:
+            return dataset.buckets
+        dataset = getattr(dataset, "dataset", None)
+    return None
+
+
 def bucket_ids(dataset) -> np.ndarray | None:
-    """Per-item bucket ids of a dataset (or of a Subset of one, e.g. the training part), None when not bucketed."""
+    """Per-item bucket ids of a dataset (of a Subset of one, e.g. the training part: its items'), None when not
+    bucketed."""
     if isinstance(dataset, Subset):
         ids = bucket_ids(dataset.dataset)
         return None if ids is None else ids[np.asarray(dataset.indices, dtype=np.int64)]
-    assignment = getattr(dataset, "buckets", None)
+    assignment = bucket_assignment(dataset)
     return None if assignment is None else assignment.ids
 
 

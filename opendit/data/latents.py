@@ -3,7 +3,9 @@
 Layout of a cache folder:
 
     manifest.json                    written last; its presence marks a complete cache
-    r000-00000.mean.npy              float [n, C, h, w]: posterior mean (unscaled, as the VAE returns it)
+    r000-00000.mean.npy              float [n, C, h, w]: posterior mean (unscaled, as the VAE returns it); in a
+                                     cache written with --buckets each shard holds one bucket (its manifest entry
+                                     names it), and "latent_shape" is the model's square input
     r000-00000.std.npy               float [n, C, h, w]: posterior std
     r000-00000.mean_flip.npy  ...    the same for the horizontally flipped image (--flip_both only)
     r000-00000.label.npy             int64 [n]
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from opendit.data.buckets import Bucket, BucketAssignment
 from opendit.data.spec import DatasetSpec
 from opendit.seeding import mix_seed
 
@@ -123,6 +126,7 @@ class LatentDataset(Dataset):
             raise ValueError(f"latent cache {self.path!r}: shards hold {self._starts[-1]} items, the manifest says "
                              f"{m['count']}; the cache is damaged, rebuild it with preprocess.py")
         self._check_files()
+        self.buckets = self._buckets()
         self._maps = None  # opened lazily in each process (memmaps must not be pickled into workers)
 
     def _check_files(self) -> None:
@@ -138,6 +142,14 @@ class LatentDataset(Dataset):
                 if problem:
                     raise ValueError(f"latent cache {self.path!r}: shard file {name} {problem}; the cache is "
                                      f"damaged, {RERUN_HINT}")
+
+    def _buckets(self) -> BucketAssignment | None:
+        """A cache written with --buckets: each item's bucket, from its shard (a shard holds one bucket)."""
+        sizes = self.manifest.get("bucket_sizes")
+        if not sizes:
+            return None
+        ids = np.repeat([s["bucket"] for s in self.manifest["shards"]], np.diff(self._starts)).astype(np.int64)
+        return BucketAssignment([Bucket(*size) for size in sizes], ids)
 
     def _arrays(self) -> tuple[str, ...]:
         return shard_arrays(self.flip_both, self.captions, self.embeddings)
