@@ -118,3 +118,38 @@ def test_bucketed_resume_at_another_world_size(tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_video_buckets_by_shape_and_frame_count(tmp_path):
+    """Videos of three shapes and two lengths: each clip goes to the longest bucket length it has frames for and the
+    nearest aspect ratio; a too-short clip is left out; Latte trains on the buckets."""
+    pytest.importorskip("av")
+    from opendit.data import VideoCSVDataset, write_mp4
+    from opendit.data.buckets import parse_buckets
+
+    rng = np.random.default_rng(0)
+    rows = ["path,label"]
+    for k, (w, h) in enumerate(((32, 16), (16, 32), (24, 24))):
+        for frames in (3, 6, 4, 8):
+            name = f"v{k}_{frames}.mp4"
+            write_mp4(tmp_path / name, rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8))
+            rows.append(f"{name},{k}")
+    write_mp4(tmp_path / "short.mp4", rng.integers(0, 256, (1, 16, 16, 3), dtype=np.uint8))
+    rows.append("short.mp4,0")
+    (tmp_path / "videos.csv").write_text("\n".join(rows) + "\n")
+    ds = VideoCSVDataset(str(tmp_path / "videos.csv"), 16, num_frames=2)
+    assignment = ds.use_buckets(parse_buckets("32x16,16x32,24x24", 0, 8, frames=(4, 2)))
+    assert assignment.ids[-1] == -1  # one frame: shorter than every bucket
+    for i in range(len(ds) - 1):
+        clip, label, _ = ds[i]
+        bucket = assignment.size_of(i)
+        frames = int(ds.samples[i][0].split("_")[-1].split(".")[0])
+        assert bucket.frames == (4 if frames >= 4 else 2)
+        assert clip.shape == (3, bucket.frames, bucket.height, bucket.width)
+        assert (bucket.width > bucket.height) == (label == 0) and (bucket.width < bucket.height) == (label == 1)
+    from tests.test_video_family import video_cfg
+
+    cfg = video_cfg(tmp_path / "run", dataset="video_csv", data_path=str(tmp_path / "videos.csv"), image_size=16,
+                    num_frames=2, buckets="32x16,16x32,24x24", bucket_frames=[4, 2], batch_size=2, max_steps=3)
+    trainer, losses = run_trainer(cfg)
+    assert len(losses) == 3 and all(np.isfinite(losses))
