@@ -8,6 +8,8 @@ images/NNNNNN.png, grid.png; video: videos/NNNNNN.mp4, strips/, grid.gif; with -
         --num_sampling_steps 50
     torchrun --nproc_per_node 4 sample.py --ckpt DiT-XL-2-256x256.pt --image_size 256 --cfg_scale 4 --npz
     python sample.py --ckpt latest --prompt "a handwritten seven"         # a model trained on captions
+    python sample.py --ckpt latest --height 16 --width 32                 # another size (whole patches; video
+                                                                          # also --num_frames)
 """
 import logging
 from pathlib import Path

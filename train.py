@@ -16,6 +16,9 @@ def main(cfg: cfglib.TrainConfig) -> None:
     from opendit.distributed import cleanup
     from opendit.training.loop import Trainer
 
+    if cfg.memory_budget:  # the planner fills the memory options left at their defaults
+        from opendit.plan import apply_memory_budget
+        cfg = apply_memory_budget(cfg)
     trainer = Trainer(cfg)
     setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     trainer.train()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a short lease on one GPU (H200): at most 600 s of timeouts in all,
 # what one device command may run (training 75 + sampling 40 + kernels 40 + offload 40 + tests 50 + eval 15 +
-# train.py 40 + 30 + 30 + video 25 + 15 + FLUX 100 + Wan 45 + LoRA 55).
+# train.py 40 + 30 + 30 + video 25 + 15 + FLUX 40 + Wan 45 + LoRA 55 + planner 60). FLUX gave 60 s to the planner
+# check: FLUX_S=100 on a longer lease.
 # Results land under $OUT (default ./gpu_results). Run from the repository root; no install (PYTHONPATH=.).
 #   OUT=/tmp/r bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -65,7 +66,7 @@ rm -rf /tmp/gpu_video
     --mixed_precision bf16 --enable_flashattn --out /tmp/gpu_video/samples; } 2>&1 \
   | grep -v Warning | tail -8 | tee "$OUT/video_smoke.txt"
 stamp "FLUX: flux-dev 1024px full fine-tune step under a 16 GiB cap (lean options, block swap; synthetic cache)"
-timeout "${FLUX_S:-100}" python3 benchmarks/flux_lean_step.py --steps 3 --out "$OUT/flux_lean.md" 2>&1 \
+timeout "${FLUX_S:-40}" python3 benchmarks/flux_lean_step.py --steps 3 --out "$OUT/flux_lean.md" 2>&1 \
   | grep -v Warning | tail -12
 stamp "Wan: Wan2.1-T2V-1.3B 33 x 480 x 480 full fine-tune step (lean options; synthetic cache), vs wan_memory.py's plan"
 timeout "${WAN_S:-45}" python3 benchmarks/wan_lean_step.py --steps 3 --out "$OUT/wan_lean.md" 2>&1 \
@@ -73,5 +74,9 @@ timeout "${WAN_S:-45}" python3 benchmarks/wan_lean_step.py --steps 3 --out "$OUT
 stamp "LoRA: flux-dev rank 16 at 1024px (bf16 base of zeros written to /dev/shm, grad checkpointing; synthetic cache)"
 timeout "${LORA_S:-55}" python3 benchmarks/lora_step.py --device cuda --steps 3 --work /dev/shm/lora_step \
   --out "$OUT/lora_step.md" 2>&1 | grep -v Warning | tail -6
-rm -rf /dev/shm/lora_step
+# the planner's predicted CUDA peak vs max_memory_allocated over 2 Trainer steps; reuses the LoRA step's zero base
+stamp "planner: predicted vs measured peak (DiT-XL/2 256px batch 8; flux-dev LoRA 16 at 512px)"
+timeout "${PLAN_S:-60}" python3 benchmarks/plan_check.py --work /dev/shm/plan_check \
+  --base /dev/shm/lora_step/base.safetensors --out "$OUT/plan_check.md" 2>&1 | grep -v Warning | tail -6
+rm -rf /dev/shm/lora_step /dev/shm/plan_check
 stamp "done"

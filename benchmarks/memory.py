@@ -31,6 +31,7 @@ from opendit.booster import parallelize as par  # noqa: E402
 from opendit.booster.precision import PRECISIONS, compute_dtype  # noqa: E402
 from opendit.ema import ShardedEMA  # noqa: E402
 from opendit.families import build_model  # noqa: E402
+from opendit.plan.account import gathered_bytes  # noqa: E402
 
 GiB = 2 ** 30
 COLUMNS = ("params", "grads", "optim", "ema")
@@ -38,20 +39,6 @@ COLUMNS = ("params", "grads", "optim", "ema")
 
 def local_bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
-
-
-def gathered_bytes(model: torch.nn.Module, plugin: str, dtype: torch.dtype) -> int:
-    """Peak unsharded parameter bytes during a step (see the module docstring)."""
-    if plugin == "ddp":
-        return 0
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    blocks = list(par.iter_blocks(model))
-    block_numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    total = sum(p.numel() for p in model.parameters())
-    if plugin == "zero2":
-        return total * itemsize
-    root = total - sum(block_numels)
-    return (root + 2 * max(block_numels)) * itemsize
 
 
 def measure(plugin: str, model_name: str, model_kwargs: dict, precision: str, materialize: bool) -> dict:
@@ -74,9 +61,14 @@ def measure(plugin: str, model_name: str, model_kwargs: dict, precision: str, ma
     optimizer.step()  # creates exp_avg / exp_avg_sq (sharded like the params) and the step counters
     out = {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in trainable),
            "optim": local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
-           "gathered": gathered_bytes(model, plugin, compute_dtype(precision)), "world": world}
+           "gathered": gathered_bytes(plugin, sum(p.numel() for p in model.parameters()), block_numels(model),
+                                      compute_dtype(precision).itemsize), "world": world}
     out["ema"] = ema_bytes(model, booster)
     return out
+
+
+def block_numels(model: torch.nn.Module) -> list[int]:
+    return [sum(p.numel() for p in b.parameters()) for b in par.iter_blocks(model)]
 
 
 def ema_bytes(model, booster) -> int:

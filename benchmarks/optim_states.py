@@ -21,9 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from opendit.optim import build_optimizer  # noqa: E402
 from opendit.optim.formats import Bf16Format, F24Format, U16Format  # noqa: E402
-
+from opendit.plan.account import optimizer_bytes  # noqa: E402
 
 
 # ---- error table -------------------------------------------------------------------------------
@@ -107,22 +106,6 @@ def flux_dev_params():
     return [p.shape for p in model.parameters()]
 
 
-def state_bytes(shapes, name, fmt, master, dtype):
-    """(total state bytes, master bytes) the optimizer allocates for parameters of these shapes."""
-    params = [torch.nn.Parameter(torch.empty(s, device="meta", dtype=dtype)) for s in shapes]
-    opt = build_optimizer(params, name, state_dtype=fmt, master_weights=master)
-    opt.init_states()
-    states = masters = 0
-    for st in opt.state.values():
-        for k, t in st.items():
-            if k in ("step", "mu_product"):
-                continue
-            size = t.numel() * t.element_size()
-            states += size
-            masters += size if k.startswith("master") else 0
-    return states, masters
-
-
 def bytes_table(label, shapes):
     n = sum(math.prod(s) for s in shapes)
     print(f"\n{label}: {n / 1e9:.3f}B trainable parameters. Bytes per parameter (persistent; activations "
@@ -139,8 +122,8 @@ def bytes_table(label, shapes):
                               ("bf16_stochastic", torch.bfloat16)):
             wbytes = torch.finfo(dtype).bits // 8
             for fmt in ("fp32", "bf16", "u16", "f24"):
-                total, _ = state_bytes(shapes, name, fmt, master, dtype)
-                s = total / n
+                states, masters = optimizer_bytes(shapes, name, fmt, master)  # weights: `dtype` (the master's rule)
+                s = (states + masters) / n
                 on_gpu = wbytes * 2 + s  # weights + gradients + every state beside them
                 print(f"| {name} | {str(dtype)[6:]} | {master} | {fmt} | {on_gpu:.2f} | {wbytes:.2f} / {s:.2f} |")
 

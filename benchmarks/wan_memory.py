@@ -10,12 +10,12 @@ halve the latent's height and width: 81 x 480 x 832 -> latents 16 x 21 x 60 x 10
 tokens per clip; the text is 512 UMT5 tokens x 4096.
 
 Computed (exact, from real shapes on the meta device; no storage, so the 14B fits a laptop):
-- parameter counts: WanModel built from WAN_CONFIGS (the official configs); UMT5-XXL's encoder built by
-  transformers' UMT5EncoderModel from umt5-xxl's config (what Wan2.1 ships: models_t5_umt5-xxl-enc-bf16, and
-  text_encoder/ of the diffusers folders); the Wan VAE as diffusers' AutoencoderKLWan with its default config
-  (Wan2.1's VAE). UMT5 counts in bf16 (2 B), the VAE in fp32 (4 B: opendit's load_wan_vae default).
+- parameter counts: WanModel built from WAN_CONFIGS (the official configs); UMT5-XXL's encoder and the Wan VAE
+  as the memory planner counts them (the Wan family's memory_probe: transformers' UMT5EncoderModel of umt5-xxl's
+  config, what Wan2.1 ships, and diffusers' AutoencoderKLWan with its default config, Wan2.1's VAE). UMT5
+  counts in bf16 (2 B), the VAE in fp32 (4 B: opendit's load_wan_vae default).
 - optimizer states and master side data: opendit's own optimizer allocating them for these shapes on the meta
-  device (benchmarks/optim_states.state_bytes): fp32 AdamW 8 B per parameter; u16 2 x 2.03 B plus the
+  device (opendit.plan.account.optimizer_bytes): fp32 AdamW 8 B per parameter; u16 2 x 2.03 B plus the
   bf16_exact int16 residual (2 B).
 - activations saved for backward: one bf16 forward of the meta model at the run's token count (this rank's
   n = ceil(L / P) tokens under sequence parallelism), recording every tensor autograd saves, by block, each
@@ -66,22 +66,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.optim_states import state_bytes  # noqa: E402
+from opendit.config import TrainConfig  # noqa: E402
+from opendit.families import family_of  # noqa: E402
 from opendit.models import wan as wan_module  # noqa: E402
 from opendit.models.wan import WAN_CONFIGS, WanModel  # noqa: E402
+from opendit.plan.account import offload_working_set, optimizer_bytes  # noqa: E402
+from opendit.plan.measure import _flash_like  # noqa: E402
 
 GB = 1e9
 MODELS = ("Wan2.1-T2V-14B", "Wan2.1-T2V-1.3B")
 VAE_TIME, VAE_SPACE = 4, 8
-# umt5-xxl (google/umt5-xxl; Wan2.1's text encoder is its encoder): the config's sizes
-UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 PARTS = ("weights", "in_flight", "grads", "states", "master", "activations", "text_encoder", "vae")
 HEADS = ("weights", "weights in flight", "grads", "optimizer states", "master side data", "activations",
          "text encoder", "VAE")
 HOST_NAMES = dict(weights="swapped bf16 weights", states="u16 AdamW states", master="bf16_exact int16 residual")
-OPT_TEMP_BYTES = 8  # encode / decode temporaries of the optimizer's per-parameter working set (estimate)
 LEGEND = ("\n\nComputed on the meta device: parameter counts, optimizer-state and master bytes, the activations "
           "autograd saves (checked against 66 D + 4 F + 8 H + 36 bytes per token per block). Estimated: backward "
           "temporaries (8 D + 4 F per token), Ulysses' extra buffers, zero3's gathered weights and unsharded "
@@ -97,26 +95,6 @@ def video_tokens(num_frames: int, height: int, width: int, patch) -> tuple[tuple
     grid = ((1 + (num_frames - 1) // VAE_TIME) // patch[0], height // VAE_SPACE // patch[1],
             width // VAE_SPACE // patch[2])
     return grid, math.prod(grid)
-
-
-class _FlashLike(torch.autograd.Function):
-    """Stands in for attention while counting: saves what FlashAttention / SDPA's flash kernel saves (q, k, v, the
-    output laid out [B, N, H, Dh] and an fp32 log-sum-exp [B, H, N]); the meta device computes nothing."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        B, H, N, Dh = q.shape
-        out = torch.empty(B, N, H, Dh, dtype=q.dtype, device=q.device).transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, torch.empty(B, H, N, dtype=torch.float32, device=q.device))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, None
-
-
-def _flash_like(q, k, v, attn_mask=None, backend="sdpa", scale=None):
-    return _FlashLike.apply(q, k, v)
 
 
 def activation_bytes(arch: dict, tokens: int, batch: int = 1) -> dict:
@@ -187,14 +165,11 @@ def sequence_parallel_size(num_heads: int, gpus: int, wanted: int) -> int:
 
 
 def encoder_params() -> dict:
-    """Parameter counts of UMT5-XXL's encoder and the Wan VAE, built on the meta device."""
-    from diffusers import AutoencoderKLWan
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    with torch.device("meta"):
-        umt5 = UMT5EncoderModel(UMT5Config(**UMT5_XXL))
-        vae = AutoencoderKLWan()
-    return dict(umt5=sum(p.numel() for p in umt5.parameters()), vae=sum(p.numel() for p in vae.parameters()))
+    """Parameter counts of UMT5-XXL's encoder and the Wan VAE: the memory planner's (the Wan family's memory_probe
+    on a GPU, which holds UMT5 in bf16 and the VAE in fp32)."""
+    cfg = TrainConfig(model=MODELS[0], vae="usual", num_frames=81, image_size=480)
+    probe = family_of(cfg.model).memory_probe(cfg, torch.device("cuda"))
+    return dict(umt5=probe.encoders["UMT5-XXL encoder"] / 2, vae=probe.encoders["Wan VAE"] / 4)
 
 
 class WanPlan:
@@ -212,9 +187,8 @@ class WanPlan:
         # projection's larger weight gets its gradient only at the end of backward, when the block inputs are gone
         self.largest = max(p.numel() for p in model.blocks[-1].parameters())
         shapes = [p.shape for p in model.parameters()]
-        self.fp32_states, _ = state_bytes(shapes, "adamw", "fp32", "fp32", torch.float32)
-        lean_total, self.lean_master = state_bytes(shapes, "adamw", "u16", "bf16_exact", torch.bfloat16)
-        self.lean_states = lean_total - self.lean_master
+        self.fp32_states, _ = optimizer_bytes(shapes, "adamw", "fp32", "fp32")
+        self.lean_states, self.lean_master = optimizer_bytes(shapes, "adamw", "u16", "bf16_exact")
         self._acts = {}
 
     def tokens(self, num_frames: int, height: int, width: int) -> tuple[tuple[int, int, int], int]:
@@ -239,7 +213,7 @@ class WanPlan:
         parts_per_elem = (self.lean_states + self.lean_master) / self.n_params
         return dict(gpu=dict(weights=2 * (self.n_params - swap * self.block),
                              in_flight=2 * 2 * self.block if swap else 0, grads=2 * self.block,
-                             states=self.largest * (2 * parts_per_elem + 16 + OPT_TEMP_BYTES),
+                             states=offload_working_set(self.largest, parts_per_elem),
                              activations=self.checkpointed(tokens)),
                     host=dict(weights=2 * swap * self.block, states=self.lean_states, master=self.lean_master))
 

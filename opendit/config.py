@@ -45,6 +45,12 @@ def _sp_kinds():
     return [*KINDS, "auto"]
 
 
+BUCKETS_HELP = ("aspect-ratio buckets instead of square crops: auto (sizes of about --bucket_area pixels, aspect "
+                "ratios 1:4 to 4:1, sides multiples of the VAE's downsampling x the patch size), or a list WxH,WxH,... "
+                "in pixels; each item goes to the nearest aspect ratio, is resized to cover it and center-cropped "
+                "(captioned images, class folders, video CSVs)")
+
+
 @dataclass
 class TrainOptions:
     SECTIONS = {"model": "model and data", "epochs": "schedule", "optimizer": "optimizer and EMA",
@@ -58,6 +64,12 @@ class TrainOptions:
                                    f"only, {DIGITS_HELP}; default: all ten")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "
                                        "of its downsampling (8) x the patch size", check="positive")
+    buckets: str | None = opt(None, BUCKETS_HELP)
+    bucket_area: int | None = opt(None, "pixels per aspect-ratio bucket for --buckets auto; default: --image_size "
+                                        "squared", check="positive")
+    bucket_frames: list[int] = opt(help="video: the frame counts of the buckets (a clip goes to the longest it has "
+                                        "frames for, shorter clips are left out); default: --num_frames",
+                                   factory=list)
     num_classes: int | None = opt(None, "classes of the label embedding; default: the data's (digits 10, a "
                                         "folder's class folders, a cache's manifest)", check="positive")
     vae: str = opt("none", "none trains in pixel space; else a diffusers AutoencoderKL folder or hub id "
@@ -90,6 +102,9 @@ class TrainOptions:
                            fix="0 turns the EMA off, DiT uses 0.9999")
     ema_on_host: bool = opt(False, "keep the EMA (fp32) in host memory, one process: e.g. flux-dev's 48 GB off the "
                                    "GPU; each step copies the weights to the host")
+    memory_budget: str | None = opt(None, "GPU_GiB[,HOST_GiB] or auto (90 percent of the free GPU and available "
+                                          "host memory): choose the fastest memory options left at their defaults that "
+                                          "fit (docs/memory_planner.md); the chosen ones are recorded in config.yaml")
     global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
     num_workers: int | None = opt(None, "DataLoader worker processes per rank; default: this machine's CPU cores "
                                         "per process less one, at most 4", check="nonneg",
@@ -161,6 +176,10 @@ class SampleOptions:
     model: str | None = opt(None, "default: the checkpoint's", _models, from_checkpoint=True)
     image_size: int | None = opt(None, "default: the checkpoint's", check="positive", from_checkpoint=True)
     num_classes: int | None = opt(None, "default: the checkpoint's", check="positive", from_checkpoint=True)
+    height: int | None = opt(None, "pixels to sample at, any multiple of the VAE's downsampling x the patch size "
+                                   "(e.g. 16 for DiT-XL/2 with SD's VAE); default: the trained --image_size",
+                             check="positive")
+    width: int | None = opt(None, "pixels, as --height; default: the trained --image_size", check="positive")
     vae: str | None = opt(None, "default: the checkpoint's (none: the model's own space, no decoding)",
                           from_checkpoint=True)
     in_channels: int | None = opt(None, "pixel-space channels when nothing says (default 1 for digits, else 3)",
@@ -202,6 +221,11 @@ class PreprocessOptions:
     dataset: str = opt("folder", "the data to encode (not a cache)", _datasets)
     data_path: str | None = opt(None, "what the dataset reads (e.g. the class-folder root)")
     image_size: int = opt(256, "pixels; a multiple of the VAE's downsampling", check="positive")
+    buckets: str | None = opt(None, BUCKETS_HELP + "; each item is cached at its bucket's size")
+    bucket_area: int | None = opt(None, "pixels per aspect-ratio bucket for --buckets auto; default: --image_size "
+                                        "squared", check="positive")
+    bucket_frames: list[int] = opt(help="video: the frame counts of the buckets; default: --num_frames",
+                                   factory=list)
     vae: str = opt("stabilityai/sd-vae-ft-ema", "a diffusers AutoencoderKL folder or hub id")
     vae_scale: float | None = opt(None, "recorded in the manifest for training; default: the family's",
                                   check="positive")

@@ -137,9 +137,12 @@ def load_model(cfg, device) -> LoadedModel:
     apply_lora_files(model, family, adapters)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
-    logger.info("loaded %s (%s, family %s, input %s, vae %s)", weights, name, family.name,
-                "x".join(map(str, shape)), run.vae)
-    return LoadedModel(family, model, encoders, run, shape, weights)
+    # from here on latent_shape is what sampling draws: the size of --height / --width (/ --num_frames)
+    loaded = LoadedModel(family, model, encoders, run, shape, weights)
+    loaded = dataclasses.replace(loaded, latent_shape=tuple(family.sample_shape(loaded, cfg)))
+    logger.info("loaded %s (%s, family %s, input %s, sampling %s, vae %s)", weights, name, family.name,
+                "x".join(map(str, shape)), "x".join(map(str, loaded.latent_shape)), run.vae)
+    return loaded
 
 
 def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:

@@ -129,6 +129,13 @@ class CLIPTextEncoder:
         return out.pooler_output.float()
 
 
+# Parameter counts of the released text encoders, for the memory planner (opendit.plan), which sizes a run without
+# reading their folders: T5-XXL's encoder (FLUX's text_encoder_2; as benchmarks/flux_memory.py has used), CLIP-L's
+# text model (FLUX's text_encoder) and umt5-xxl's encoder (Wan2.1's; transformers' UMT5EncoderModel built from the
+# google/umt5-xxl config on the meta device: 5,680,910,336).
+TEXT_ENCODER_PARAMS = {"T5-XXL": 4.762e9, "CLIP-L": 123_060_480, "UMT5-XXL": 5_680_910_336}
+
+
 def encoder_dtype(device) -> torch.dtype:
     """The weights' dtype of a large frozen text encoder: bf16 on GPUs (FLUX's and Wan's setting: T5-XXL is 9.5 GB
     in bf16), fp32 on CPUs, where bf16 matmuls are slow."""

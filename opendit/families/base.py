@@ -54,6 +54,15 @@ def match_registry(models: Mapping[str, ModelSpec], **arch) -> str | None:
     return found[0] if found else None
 
 
+@dataclass(frozen=True)
+class MemoryProbe:
+    """What the memory planner (opendit.plan) needs of a run before anything is loaded: the per-sample model input
+    (what latent_shape gives with the run's VAE) and {encoder: bytes} of the frozen encoders training holds on the
+    device (none when it trains from a latent cache)."""
+    latent_shape: tuple[int, ...]
+    encoders: Mapping[str, float] = field(default_factory=dict)
+
+
 @runtime_checkable
 class DiffusionModel(Protocol):
     """What shared code needs from a model: the booster, the kernel switches and sequence parallelism.
@@ -107,7 +116,7 @@ class LoadedModel:
     model: nn.Module
     encoders: Any
     cfg: Any  # the run's training config
-    latent_shape: tuple[int, ...]  # per-sample model input, e.g. (C, h, w)
+    latent_shape: tuple[int, ...]  # per-sample model input to sample, e.g. (C, h, w) (see ModelFamily.sample_shape)
     weights: str  # where the weights came from
 
 
@@ -201,6 +210,21 @@ class ModelFamily:
         files then name the official modules."""
         return None
 
+    # ---- memory planning (opendit.plan) -----------------------------------------------------------------------
+    def memory_probe(self, cfg, device: torch.device) -> MemoryProbe:
+        """The run's latent shape and frozen encoders' bytes, from cfg alone (no encoder, folder or data read)."""
+        raise NotImplementedError(f"model family {self.name!r} has no memory_probe: opendit.plan cannot size its runs")
+
+    def memory_model(self, cfg, latent_shape: tuple[int, ...]) -> nn.Module:
+        """The model build_model makes, built without reading encoder folders (the planner calls it on meta)."""
+        return self.build_model(cfg, latent_shape)
+
+    def memory_inputs(self, cfg, model: nn.Module, latent_shape: tuple[int, ...], batch: int,
+                      device: torch.device) -> dict:
+        """Keyword arguments of model(**kw) for `batch` random samples, shaped and typed as training feeds it."""
+        raise NotImplementedError(f"model family {self.name!r} has no memory_inputs: opendit.plan cannot measure "
+                                  f"its activations")
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str) -> tuple[dict, dict | None] | None:
         """A checkpoint that carries no opendit config (an official release, a diffusers folder) -> (training
@@ -230,6 +254,12 @@ class ModelFamily:
     def make_sampler(self, sample_cfg, cfg):
         """The sampler of a completed sample config (defaults applied); sample_batch uses it."""
         raise NotImplementedError
+
+    def sample_shape(self, loaded: LoadedModel, sample_cfg) -> tuple[int, ...]:
+        """The per-sample latent shape to sample (load_model puts it in loaded.latent_shape): the one the model
+        was loaded at, or the size sample_cfg asks for (--height / --width, video --num_frames); a ValueError
+        naming the flag for a size the model cannot take."""
+        return loaded.latent_shape
 
     def sample_batch(self, loaded: LoadedModel, sampler, indices: range, conditions: list, sample_cfg,
                      device: torch.device) -> np.ndarray:

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from opendit.booster import shard_frozen
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
-from opendit.encoders.text import (FixedEmbeddings, encoder_dtype, load_t5_encoder, load_text_encoder, t5_encoder_dim,
+from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype, load_t5_encoder,
+                                   load_text_encoder, t5_encoder_dim,
                                    text_encoder_dim)
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
@@ -180,7 +181,8 @@ def flux_forward_macs(model: nn.Module, txt_tokens: int, img_tokens: int) -> int
 
 @dataclass
 class FluxSampler:
-    timesteps: list[float]  # from 1 (noise) to 0 (data)
+    steps: int
+    time_shift: bool  # the schedule shifts with the image's token count (flux_schedule)
     guidance: float | None  # the guidance embedding's value (models that have one)
     progress: bool = False  # a progress bar over the steps (sample.py sets it on rank 0)
 
@@ -199,6 +201,7 @@ class FluxFamily(LatentImageFamily):
     cache_options = FluxCacheOptions
     default_vae_scale = FLUX_VAE_SCALE
     vae_shift = FLUX_VAE_SHIFT
+    vae_channels, vae_params = 16, 83_819_683  # FLUX's autoencoder (diffusers' AutoencoderKL, 16 channels)
     default_cfg_scale = 1.0  # the guidance embedding guides; true CFG is opt-in
 
     def patch_size(self, cfg) -> int:
@@ -256,6 +259,27 @@ class FluxFamily(LatentImageFamily):
     def train_flops_per_sample(self, model) -> float:
         return 3 * 2 * float(flux_forward_macs(model, *model.num_tokens))
 
+    def text_encoder_bytes(self, cfg, device) -> dict:
+        size = encoder_dtype(device).itemsize
+        return {"T5-XXL encoder": size * TEXT_ENCODER_PARAMS["T5-XXL"],
+                "CLIP-L text": size * TEXT_ENCODER_PARAMS["CLIP-L"]}
+
+    def memory_model(self, cfg, latent_shape):
+        """build_model's model with T5-XXL's 4096-wide tokens and CLIP-L's 768-wide vector (the constructor's)."""
+        channels, h, w = latent_shape
+        model = self.models[cfg.model].build(in_channels=4 * channels, out_channels=4 * channels)
+        model.num_tokens = (cfg.t5_max_length, (h // 2) * (w // 2))
+        return model
+
+    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+        """The official forward's arguments: packed latents, --t5_max_length T5 tokens, the pooled CLIP vector."""
+        _, h, w = latent_shape
+        txt = torch.randn(batch, cfg.t5_max_length, model.txt_in.in_features, device=device)
+        y = torch.randn(batch, model.vector_in.in_layer.in_features, device=device)
+        img = pack_latents(torch.randn(batch, *latent_shape, device=device))
+        return flux_inputs(img, h, w, txt, y, torch.rand(batch, device=device),
+                           cfg.guidance if model.guidance_embed else None)
+
     def objective(self, cfg, encoders: FluxEncoders) -> FlowObjective:
         return FlowObjective(encoders, cfg, self.models[cfg.model].arch["guidance_embed"], self.vae_shift)
 
@@ -290,11 +314,8 @@ class FluxFamily(LatentImageFamily):
         return prompt_conditions(sample_cfg, cfg.model)
 
     def make_sampler(self, sample_cfg, cfg) -> FluxSampler:
-        size = cfg.image_size // (1 if is_none(cfg.vae) else 8)  # FLUX's autoencoder downsamples 8x
-        timesteps = flux_schedule(sample_cfg.num_sampling_steps, (size // 2) ** 2,
-                                  shift=self.constant(cfg.model, "time_shift"))
         guidance = sample_cfg.guidance if self.models[cfg.model].arch["guidance_embed"] else None
-        return FluxSampler(timesteps, guidance)
+        return FluxSampler(sample_cfg.num_sampling_steps, self.constant(cfg.model, "time_shift"), guidance)
 
     @torch.no_grad()
     def sample_latents(self, loaded, sampler: FluxSampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
@@ -315,7 +336,9 @@ class FluxFamily(LatentImageFamily):
             out = model.forward_with_cfg(**kw, cfg_scale=sample_cfg.cfg_scale) if guided else model(**kw)
             return out[:n].float()
 
-        return unpack_latents(euler_sample(velocity, pack_latents(z), sampler.timesteps, sampler.progress), h, w)
+        # the schedule of this latent's (h/2)*(w/2) tokens: sampling at another size shifts it as FLUX does
+        timesteps = flux_schedule(sampler.steps, (h // 2) * (w // 2), shift=sampler.time_shift)
+        return unpack_latents(euler_sample(velocity, pack_latents(z), timesteps, sampler.progress), h, w)
 
     # ---- previews ------------------------------------------------------------------------------------------
     def preview_conditions(self, cfg, dataset, rows: int) -> list:

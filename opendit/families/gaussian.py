@@ -73,6 +73,15 @@ class GaussianDiffusionFamily(LatentImageFamily):
     def objective(self, cfg, encoders) -> DiffusionObjective:
         return DiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, labels=self.class_conditional)
 
+    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+        """x [B, *latent], t [B] and labels y [B] or a pooled text vector [B, text_dim] (video with --clip)."""
+        kw = dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.randint(0, 1000, (batch,), device=device))
+        if getattr(model, "text_dim", None):
+            kw["text"] = torch.randn(batch, model.text_dim, device=device)
+        elif getattr(model, "num_classes", 0):
+            kw["y"] = torch.randint(0, model.num_classes, (batch,), device=device)
+        return kw
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def conditions(self, sample_cfg, cfg) -> list:
         if not self.class_conditional:

@@ -6,6 +6,7 @@ the subclass's: Gaussian diffusion (opendit.families.gaussian) or FLUX's rectifi
 """
 import dataclasses
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +14,10 @@ import numpy as np
 import torch
 
 from opendit.data import CAPTIONED_DIGITS, DIGITS, read_manifest
+from opendit.data.buckets import Bucketable, parse_buckets
 from opendit.data.digits import parse_digits
 from opendit.encoders.vae import SD_VAE_SCALE, decode, load_vae, vae_geometry
-from opendit.families.base import ModelFamily
+from opendit.families.base import MemoryProbe, ModelFamily
 from opendit.families.writers import ImageWriter
 from opendit.images import to_uint8
 
@@ -25,15 +27,22 @@ class ImageEncoders:
     vae: torch.nn.Module | None  # None: pixel space, or training on cached latents
 
 
+def check_multiple(flag: str, value: int, step: int, what: str) -> int:
+    """value, when it is a positive multiple of step; else a ValueError naming the flag and the valid values
+    on either side of it."""
+    if value > 0 and value % step == 0:
+        return value
+    low = value // step * step
+    near = f"{low} or {low + step}" if low > 0 else f"{step}"
+    raise ValueError(f"{flag} {value} must be a positive multiple of {what} = {step}; use {near}")
+
+
 def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -> tuple[int, int]:
     """(input_size, in_channels) of the model for images of image_size through `vae` (None: pixel space);
     a clear error when the sizes do not fit."""
     factor, latent_channels = vae_geometry(vae)
-    if image_size <= 0 or image_size % (factor * patch_size):
-        need = "patch size" if vae is None else f"{factor} (the VAE's downsampling) x patch size"
-        step = factor * patch_size
-        raise ValueError(f"--image_size {image_size} must be a positive multiple of {need} = {step}; "
-                         f"e.g. {max(1, image_size // step) * step}")
+    need = "patch size" if vae is None else f"{factor} (the VAE's downsampling) x patch size"
+    check_multiple("--image_size", image_size, factor * patch_size, need)
     return image_size // factor, (data_channels if vae is None else latent_channels)
 
 
@@ -44,10 +53,10 @@ def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale")):
     manifest = read_manifest(cfg.data_path)
     updates = {}
     for key in keys:
-        given, cached = getattr(cfg, key), manifest[key]
+        given, cached = getattr(cfg, key), manifest.get(key)  # .get: caches from before buckets have none
         # folders: "none" means "the cache's"; the same folder may be spelt anew
         path = key in ("vae", "t5", "clip", "umt5")
-        if given is None or given == cached or (path and given.lower() == "none"):
+        if given is None or given == cached or (path and given.lower() == "none") or not (given or cached):
             updates[key] = cached
         elif not (path and os.path.realpath(given) == os.path.realpath(cached)):
             raise ValueError(f"--{key} {given} disagrees with the latent cache {cfg.data_path!r}, built with "
@@ -64,6 +73,9 @@ class LatentImageFamily(ModelFamily):
     default_image_size = 16
     default_vae_scale = SD_VAE_SCALE
     vae_shift = 0.0  # latents are (z - shift) * scale (FLUX's autoencoder shifts)
+    # the family's usual VAE, for planning memory without loading it: SD's AutoencoderKL (4 latent channels, 8x
+    # down; 83,653,863 parameters in diffusers' layout), fp32 as load_vae loads it
+    vae_channels, vae_params = 4, 83_653_863
     sampling_needs: tuple[str, ...] = ("image_size",)  # settings a checkpoint must tell (or a flag give)
 
     def patch_size(self, cfg) -> int:
@@ -78,7 +90,8 @@ class LatentImageFamily(ModelFamily):
     # ---- configuration and data ---------------------------------------------------------------------------
     def resolve_config(self, cfg):
         if self.dataset_spec(cfg).cache:
-            cfg = settings_from_cache(cfg, ("image_size", "vae", "vae_scale") + self.cache_keys)
+            cfg = settings_from_cache(cfg, ("image_size", "vae", "vae_scale", "buckets", "bucket_area", "bucket_frames")
+                                      + self.cache_keys)
         return self.fill_defaults(cfg)
 
     def fill_defaults(self, cfg):
@@ -100,7 +113,29 @@ class LatentImageFamily(ModelFamily):
                                  f"have digit classes, not --dataset {spec.name}; leave it out")
             options["digits"] = parse_digits(cfg.digits)
         dataset = spec(cfg.data_path, cfg.image_size, **options)
+        if cfg.buckets and not spec.cache:  # a cache comes with the buckets it was written with
+            self.use_buckets(dataset, cfg, encoders)
         return dataset, self.data_settings(cfg, dataset)
+
+    def use_buckets(self, dataset, cfg, encoders) -> None:
+        """--buckets: every item assigned to its aspect-ratio bucket (reads each file's header)."""
+        if not isinstance(dataset, Bucketable):
+            raise ValueError(f"--buckets: --dataset {cfg.dataset} has no per-item sizes to bucket (its items are all "
+                             f"one size, or a latent cache keeps the buckets it was written with); leave --buckets out")
+        if cfg.model is None:
+            raise ValueError("--buckets needs --model: bucket sides are multiples of its patch size")
+        step = self.size_step(cfg, encoders)
+        check_multiple("--image_size", cfg.image_size, step, "the VAE's downsampling x the patch size")
+        area = cfg.bucket_area or cfg.image_size ** 2
+        dataset.use_buckets(parse_buckets(cfg.buckets, area, step, self.bucket_frames(cfg, encoders)))
+
+    def size_step(self, cfg, encoders) -> int:
+        """Pixels a side of a training size must be a multiple of: the VAE's downsampling x the patch size."""
+        return vae_geometry(encoders.vae)[0] * self.patch_size(cfg)
+
+    def bucket_frames(self, cfg, encoders) -> tuple[int, ...]:
+        """The frame counts of video buckets (each checked like --num_frames); () for images."""
+        return ()
 
     def dataset_options(self, cfg, encoders, spec) -> dict:
         """Keyword arguments of the dataset class of `spec` while training (channels, seed, ...)."""
@@ -134,6 +169,20 @@ class LatentImageFamily(ModelFamily):
         size, in_channels = latent_geometry(cfg.image_size, encoders.vae, channels, patch)
         return in_channels, size, size
 
+    # ---- memory planning ------------------------------------------------------------------------------------
+    def memory_probe(self, cfg, device) -> MemoryProbe:
+        """The latent shape as with the family's usual VAE (only its geometry is read: 8x down, vae_channels), its
+        fp32 bytes and the text encoders' (text_encoder_bytes)."""
+        vae = None if is_none(cfg.vae) else types.SimpleNamespace(config=types.SimpleNamespace(
+            block_out_channels=(0,) * 4, latent_channels=self.vae_channels))
+        encoders = {} if vae is None else {"VAE": 4 * self.vae_params}
+        encoders.update(self.text_encoder_bytes(cfg, device))
+        return MemoryProbe(self.latent_shape(cfg, ImageEncoders(vae)), encoders)
+
+    def text_encoder_bytes(self, cfg, device) -> dict:
+        """{name: bytes} of the frozen text encoders this run loads."""
+        return {}
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def sampling_config(self, cfg, given: set[str]):
         missing = [k for k in self.sampling_needs if getattr(cfg, k) is None]
@@ -147,6 +196,25 @@ class LatentImageFamily(ModelFamily):
         if encoders.vae is None and not is_none(cfg.vae):  # trained on a cache: load the VAE to decode
             return dataclasses.replace(encoders, vae=load_vae(cfg.vae, device))
         return encoders
+
+    def downsampling(self, loaded) -> int:
+        """The VAE's spatial downsampling (1: pixel space): size_step over the patch size."""
+        return self.size_step(loaded.cfg, loaded.encoders) // self.patch_size(loaded.cfg)
+
+    def sample_size(self, loaded, sample_cfg) -> tuple[int, int]:
+        """(height, width) in pixels to sample: --height / --width, default the trained --image_size; each a
+        positive multiple of size_step (whole tokens, as a training bucket's sides), else a ValueError naming the
+        flag and valid sizes next to it."""
+        factor, step = self.downsampling(loaded), self.size_step(loaded.cfg, loaded.encoders)
+        what = "patch size" if factor == 1 else f"{factor} (the VAE's downsampling) x patch size"
+        return tuple(check_multiple(f"--{name}", getattr(sample_cfg, name) or loaded.cfg.image_size, step, what)
+                     for name in ("height", "width"))
+
+    def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
+        """The per-sample latent shape sample.py draws: (C, h, w) of --height x --width pixels (the model takes
+        any grid of whole patches; default: the shape it was trained at)."""
+        factor = self.downsampling(loaded)
+        return (loaded.latent_shape[0], *(side // factor for side in self.sample_size(loaded, sample_cfg)))
 
     def sample_latents(self, loaded, sampler, indices: range, conditions: list, sample_cfg, device) -> torch.Tensor:
         """The sampler's output for global indices: float32 [n, *latent_shape] on device."""
@@ -184,7 +252,10 @@ class LatentImageFamily(ModelFamily):
         if cfg.image_size % factor:
             raise ValueError(f"--image_size {cfg.image_size} must be a multiple of the VAE's downsampling {factor}")
         spec = self.dataset_spec(cfg)
-        return spec(cfg.data_path, cfg.image_size, **self.cache_dataset_options(cfg, spec))
+        dataset = spec(cfg.data_path, cfg.image_size, **self.cache_dataset_options(cfg, spec))
+        if cfg.buckets:
+            self.use_buckets(dataset, cfg, encoders)
+        return dataset
 
     def cache_dataset_options(self, cfg, spec) -> dict:
         """Keyword arguments of the dataset class of `spec` while caching: RGB for the VAE, no random flips."""

@@ -20,12 +20,13 @@ from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
 from opendit.diffusion import SAMPLERS
 from opendit.diffusion.flow import RectifiedFlow, cfg_velocity, euler_sample
 from opendit.diffusion.objective import DiffusionObjective
-from opendit.encoders.text import FixedEmbeddings, load_text_encoder, text_encoder_dim
+from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype, load_text_encoder,
+                                   text_encoder_dim)
 from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
 from opendit.families.base import ModelSpec, match_registry, preview_prompts
 from opendit.families.gaussian import (GaussianDiffusionFamily, GaussianSampleOptions, GaussianTrainOptions,
                                       official_shapes)
-from opendit.families.latent import is_none, latent_geometry
+from opendit.families.latent import check_multiple, is_none, latent_geometry
 from opendit.families.writers import VideoWriter
 from opendit.models.blocks import is_per_sample_layer
 from opendit.models.dit import DIT_SIZES
@@ -71,6 +72,8 @@ class VideoSampleOptions(GaussianSampleOptions):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
     fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
                                 "the model's, 16)", check="positive")
+    num_frames: int | None = opt(None, "frames per clip to sample, a multiple of the model's temporal patch; "
+                                       "default: the trained --num_frames", check="positive")
 
 
 @dataclass
@@ -211,6 +214,12 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
                              f"--clip <a local CLIP text encoder folder> to condition on them")
         return dataset, cfg
 
+    def bucket_frames(self, cfg, encoders) -> tuple[int, ...]:
+        frames = tuple(cfg.bucket_frames) or (cfg.num_frames,)
+        for count in frames:  # the same errors as a --num_frames the model cannot take
+            self.latent_shape(dataclasses.replace(cfg, num_frames=count), encoders)
+        return frames
+
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
         """(C, T, h, w): from a cached dataset, else from the clip length, image size, VAE and channels."""
@@ -238,6 +247,19 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     def train_flops_per_sample(self, model) -> float:
         return video_train_flops_per_sample(model)
 
+    def text_encoder_bytes(self, cfg, device) -> dict:
+        size = encoder_dtype(device).itemsize
+        return {} if is_none(cfg.clip) else {"CLIP-L text": size * TEXT_ENCODER_PARAMS["CLIP-L"]}
+
+    def memory_model(self, cfg, latent_shape):
+        """build_model's model; captions (--clip) as CLIP-L's pooled 768-wide vector, without reading the folder."""
+        channels, frames, size, _ = latent_shape
+        clip = None if is_none(cfg.clip) else 768
+        return self.models[cfg.model].build(input_size=(frames, size, size), in_channels=channels,
+                                            num_classes=0 if clip else (cfg.num_classes or 1000),
+                                            learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob,
+                                            text_dim=clip)
+
     def objective(self, cfg, encoders: VideoEncoders) -> VideoDiffusionObjective:
         if cfg.objective == "flow":
             return VideoFlowObjective(encoders.vae, cfg.vae_scale, encoders.text, cfg.class_dropout_prob)
@@ -245,6 +267,15 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
                                        cfg.class_dropout_prob)
 
     # ---- sampling ------------------------------------------------------------------------------------------
+    def sample_shape(self, loaded, sample_cfg) -> tuple[int, int, int, int]:
+        """(C, T, h, w) of --num_frames clips of --height x --width pixels (defaults: the trained ones): the models
+        take any grid of whole patches, with the sin-cos positions of that grid."""
+        c, h, w = super().sample_shape(loaded, sample_cfg)  # checks --height / --width
+        pt = self.temporal_patch(loaded.cfg)
+        frames = check_multiple("--num_frames", sample_cfg.num_frames or loaded.cfg.num_frames, pt,
+                                f"{loaded.cfg.model}'s temporal patch")
+        return c, frames, h, w
+
     def recognize_checkpoint(self, path: str):
         """An official class-conditional Latte .pt (e.g. Latte's UCF-101 release): settings from its shapes."""
         if Path(path).suffix != ".pt":
@@ -324,7 +355,8 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
         return euler_sample(velocity, z.to(device), torch.linspace(1, 0, sampler.steps + 1), sampler.progress)
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
-        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps)
+        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,
+                           frames=sample_cfg.num_frames or cfg.num_frames)
 
     # ---- previews ------------------------------------------------------------------------------------------
     def preview_settings(self, cfg) -> dict:

@@ -26,9 +26,10 @@ from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
 from opendit.diffusion.sampling import progress_interval
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
-from opendit.encoders.text import FixedEmbeddings, encoder_dtype, load_umt5_encoder, umt5_encoder_dim
-from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_latent_shape, wan_posterior
-from opendit.families.base import ModelSpec, prompt_conditions, preview_prompts
+from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype,
+                                   load_umt5_encoder, umt5_encoder_dim)
+from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
+from opendit.families.base import MemoryProbe, ModelSpec, prompt_conditions, preview_prompts
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.writers import VideoWriter
 from opendit.models.convert_wan_diffusers import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
@@ -68,10 +69,8 @@ class WanSampleOptions:
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
     fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
                                 "the model's, 16)", check="positive")
-    num_frames: int | None = opt(None, "frames per clip (1 + 4k with Wan's VAE); default: the checkpoint's",
-                                 check="positive", from_checkpoint=True)
-    height: int | None = opt(None, "Wan: pixels; default: the trained --image_size", check="positive")
-    width: int | None = opt(None, "Wan: pixels; default: the trained --image_size", check="positive")
+    num_frames: int | None = opt(None, "frames per clip to sample (1 + 4k with Wan's VAE); default: the trained "
+                                       "--num_frames", check="positive")
 
 
 @dataclass
@@ -252,6 +251,15 @@ class WanFamily(LatentImageFamily):
         return dataset, cfg
 
     # ---- model ---------------------------------------------------------------------------------------------
+    def size_step(self, cfg, encoders) -> int:
+        return (1 if encoders.vae is None else wan_factors(encoders.vae)[2]) * self.patch_size(cfg)
+
+    def bucket_frames(self, cfg, encoders) -> tuple[int, ...]:
+        frames = tuple(cfg.bucket_frames) or (cfg.num_frames,)
+        for count in frames:  # the same errors as a --num_frames the model cannot take
+            self.latent_shape(dataclasses.replace(cfg, num_frames=count), encoders)
+        return frames
+
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
         """(C, T', h, w): from a cache, else from the frames, size and VAE (pixel space: the data's channels)."""
         cached = getattr(dataset, "latent_shape", None)
@@ -280,6 +288,27 @@ class WanFamily(LatentImageFamily):
 
     def train_flops_per_sample(self, model) -> float:
         return 3 * 2 * float(wan_forward_macs(model, model.num_tokens))
+
+    def memory_probe(self, cfg, device) -> MemoryProbe:
+        """Wan2.1's VAE geometry (16 channels, 4x in time, 8x in space; 126,892,531 parameters in diffusers'
+        AutoencoderKLWan, fp32) and UMT5-XXL's encoder, unless --vae none (pixel space, no encoders)."""
+        if is_none(cfg.vae):
+            return MemoryProbe(self.latent_shape(cfg, WanEncoders(vae=None, text=None)))
+        shape = self.check_patches(cfg, wan_latent_shape({}, cfg.num_frames, cfg.image_size, cfg.image_size))
+        return MemoryProbe(shape, {"UMT5-XXL encoder": encoder_dtype(device).itemsize * TEXT_ENCODER_PARAMS["UMT5-XXL"],
+                                   "Wan VAE": 4 * 126_892_531})
+
+    def memory_model(self, cfg, latent_shape):
+        """build_model's model with UMT5-XXL's 4096-wide tokens (the architecture's text_dim)."""
+        model = self.models[cfg.model].build(in_dim=latent_shape[0], out_dim=latent_shape[0])
+        pt, ph, pw = model.patch_size
+        model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)
+        return model
+
+    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+        """x [B, C, F, H, W], t [B] in 0..1000 and UMT5 tokens [B, text_len, text_dim]: the batched forward."""
+        return dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.rand(batch, device=device) * 1000,
+                    context=torch.randn(batch, model.text_len, model.text_dim, device=device))
 
     def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
         return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob)
@@ -329,22 +358,20 @@ class WanFamily(LatentImageFamily):
         return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift)
 
     def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
-        """The latent shape of --height / --width (default: the square --image_size the model was loaded at)."""
-        cfg = loaded.cfg
-        height, width = sample_cfg.height or cfg.image_size, sample_cfg.width or cfg.image_size
-        if height == width == cfg.image_size:
-            return loaded.latent_shape
-        vae = loaded.encoders.vae
-        shape = wan_latent_shape(vae, cfg.num_frames, height, width) if vae is not None else \
-            (loaded.latent_shape[0], cfg.num_frames, height, width)
+        """(C, T', h, w) of --num_frames clips of --height x --width pixels (defaults: the trained ones); RoPE
+        positions come from the grid, so any whole patches work."""
+        cfg, vae = loaded.cfg, loaded.encoders.vae
+        height, width = self.sample_size(loaded, sample_cfg)
+        frames = sample_cfg.num_frames or cfg.num_frames
+        shape = wan_latent_shape(vae, frames, height, width) if vae is not None else \
+            (loaded.latent_shape[0], frames, height, width)
         return self.check_patches(cfg, shape)
 
     @torch.no_grad()
     def sample_latents(self, loaded, sampler: WanSampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
         """Latents [n, C, T', h, w] for global indices; noise from (seed, first index)."""
         model, enc, n = loaded.model, loaded.encoders, len(indices)
-        z = torch.randn(n, *self.sample_shape(loaded, sample_cfg), generator=sampling_generator(sample_cfg.seed,
-                                                                                               indices.start))
+        z = torch.randn(n, *loaded.latent_shape, generator=sampling_generator(sample_cfg.seed, indices.start))
         context = enc.encode([conditions[i % len(conditions)] for i in indices], device)
         scale = sample_cfg.cfg_scale
         if scale > 1.0:  # [cond; uncond] in one pass, the second half with the negative prompt
@@ -367,7 +394,8 @@ class WanFamily(LatentImageFamily):
         return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents)
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
-        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps, frames=cfg.num_frames)
+        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,
+                           frames=sample_cfg.num_frames or cfg.num_frames)
 
     def sampling_encoders(self, cfg, encoders: WanEncoders, device) -> WanEncoders:
         """Trained on a cache: the VAE to decode (the previews' prompts are already embedded)."""
@@ -409,7 +437,10 @@ class WanFamily(LatentImageFamily):
     def cache_source(self, cfg, encoders):
         """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
         spec = self.dataset_spec(cfg)
-        return spec(cfg.data_path, cfg.image_size, **self.source_options(cfg, spec, channels=3, seed=0))
+        dataset = spec(cfg.data_path, cfg.image_size, **self.source_options(cfg, spec, channels=3, seed=0))
+        if cfg.buckets:
+            self.use_buckets(dataset, cfg, encoders)
+        return dataset
 
     @torch.no_grad()
     def cache_encode(self, encoders: WanEncoders, x, captions=None) -> dict:

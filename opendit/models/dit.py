@@ -2,12 +2,14 @@
 
 state_dict keys and shapes equal the official release, so DiT-XL-2-256x256.pt loads with strict=True.
 """
+from functools import partial
+
 import torch
 import torch.nn as nn
 
 from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
 from opendit.models.layers import LabelEmbedder, PatchEmbed, TimestepEmbedder
-from opendit.models.pos_embed import sincos_2d
+from opendit.models.pos_embed import GridTables, sincos_2d
 
 # (depth, hidden, heads) by size name: the DiT paper's four, plus Ti (DeiT-Tiny widths) for CPU demos. The video
 # DiTs (VDiT, Latte) use the same widths; Latte's depth counts its spatial and temporal blocks together.
@@ -34,7 +36,10 @@ class DiT(SwitchesMixin, nn.Module):
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         num_patches = (input_size // patch_size) ** 2
         # A frozen parameter (not a buffer) so the key matches the official checkpoint.
+        # It is the table of the square input_size grid; other grids (aspect-ratio buckets, sampling at another
+        # size) get theirs from pos_tables, outside the state dict.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.pos_tables = GridTables(partial(sincos_2d, hidden_size))
         self.blocks = nn.ModuleList([AdaLNZeroBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights()
@@ -59,16 +64,29 @@ class DiT(SwitchesMixin, nn.Module):
             block.zero_init()
         self.final_layer.zero_init()
 
-    def unpatchify(self, x):
-        """[B, N, p*p*C] -> [B, C, H, W]."""
+    def unpatchify(self, x, h: int, w: int):
+        """[B, N, p*p*C] of an h x w patch grid (N = h*w) -> [B, C, h*p, w*p]."""
         c, p = self.out_channels, self.patch_size
-        h = w = int(x.shape[1] ** 0.5)
         x = x.reshape(x.shape[0], h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
 
+    def patch_grid(self, x) -> tuple[int, int]:
+        """The (h, w) patch grid of x [B, C, H, W]; any H and W that are multiples of the patch size."""
+        (H, W), p = x.shape[-2:], self.patch_size
+        if H % p or W % p:
+            raise ValueError(f"DiT input {H}x{W} is not divisible by its patch size {p}; pad or crop the latents")
+        return H // p, W // p
+
+    def pos_table(self, h: int, w: int, dtype, device) -> torch.Tensor:
+        """[1, h*w, D]: the stored pos_embed for the square input_size grid (official weights), else the h x w
+        sin-cos table."""
+        if h == w == self.input_size // self.patch_size:
+            return self.pos_embed.to(dtype)
+        return self.pos_tables.get(h, w, device=device, dtype=dtype).unsqueeze(0)
+
     def embed(self, x, t, y):
-        """x [B, C, H, W], t [B], y [B] -> tokens [B, N, D] and condition [B, D]."""
-        tokens = self.x_embedder(x) + self.pos_embed.to(x.dtype)
+        """x [B, C, H, W], t [B], y [B] -> tokens [B, N, D] (N = H*W/p^2) and condition [B, D]."""
+        tokens = self.x_embedder(x) + self.pos_table(*self.patch_grid(x), x.dtype, x.device)
         c = self.t_embedder(t) + self.y_embedder(y, self.training)
         return tokens, c
 
@@ -82,7 +100,7 @@ class DiT(SwitchesMixin, nn.Module):
         out = self.final_layer(tokens, c)
         if sp is not None:
             out = sp.gather(out)  # -> [B, N, p*p*C] on every rank
-        return self.unpatchify(out)
+        return self.unpatchify(out, *self.patch_grid(x))
 
     def forward_with_cfg(self, x, t, y, cfg_scale: float, cfg_channels: int | None = None):
         """Classifier-free guidance. x holds [cond half; uncond half] (the second half's y is the null class).

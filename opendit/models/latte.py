@@ -5,7 +5,8 @@ Input x [B, C, T, H, W] (the official model takes [B, F, C, H, W]), t [B]; outpu
 2-D patches (Conv2d), a fixed 2-D sin-cos table pos_embed [1, S, D] added to every frame, a fixed 1-D table
 temp_embed [1, T, D] added after the FIRST spatial block only, the condition c [B, D] repeated per frame for
 spatial blocks and the final layer and per position for temporal blocks. state_dict keys and shapes equal the
-official class-conditional checkpoints (tests/data/latte_xl2_ucf101_state_dict.tsv).
+official class-conditional checkpoints (tests/data/latte_xl2_ucf101_state_dict.tsv). The stored tables are those of
+input_size; a clip of another frame count or size (H, W divisible by the patch) gets the sin-cos tables of its own.
 
 Sequence parallel: DSP (opendit.parallel.dsp) -- spatial blocks on this rank's frames, one all-to-all to the
 position split before each temporal block and one back after, the output frames gathered at the end.
@@ -15,8 +16,8 @@ import torch.nn as nn
 
 from opendit.models.blocks import AdaLNZeroBlock, FinalLayer
 from opendit.models.layers import PatchEmbed
-from opendit.models.pos_embed import sincos_temporal
-from opendit.models.vdit import VideoDiTBase, spatial_sincos
+from opendit.models.pos_embed import sincos_2d, sincos_temporal
+from opendit.models.vdit import VideoDiTBase
 from opendit.parallel.dsp import DynamicSequenceParallel
 
 
@@ -47,7 +48,7 @@ class Latte(VideoDiTBase):
         self.initialize_weights()
 
     def init_pos_tables(self):
-        self.pos_embed.data.copy_(spatial_sincos(self.hidden_size, *self.grid).unsqueeze(0))
+        self.pos_embed.data.copy_(sincos_2d(self.hidden_size, *self.grid).unsqueeze(0))
         self.temp_embed.data.copy_(sincos_temporal(self.hidden_size, self.input_size[0]).unsqueeze(0))
 
     def attention_sequences(self):
@@ -64,16 +65,16 @@ class Latte(VideoDiTBase):
         self.sequence_parallel = None if group is None else DynamicSequenceParallel(group, counter)
         return self.sequence_parallel
 
-    def unpatchify(self, x):
-        """[B, T, S, p*p*C] -> [B, C, T, H, W]."""
-        (h, w), p, c = self.grid, self.patch_size, self.out_channels
+    def unpatchify(self, x, h: int, w: int):
+        """[B, T, S, p*p*C] of an h x w patch grid (S = h*w) -> [B, C, T, h*p, w*p]."""
+        p, c = self.patch_size, self.out_channels
         x = x.reshape(*x.shape[:2], h, w, p, p, c).permute(0, 6, 1, 2, 4, 3, 5)  # [B, C, T, H', p, W', p]
         return x.reshape(x.shape[0], c, x.shape[2], h * p, w * p)
 
     def forward(self, x, t, y=None, text=None):
         """x [B, C, T, H, W], t [B], y [B] or text [B, text_dim] -> [B, C_out, T, H, W]."""
-        self.check_input(x)
-        B, S = x.shape[0], self.grid[0] * self.grid[1]
+        (T, h, w), B = self.check_input(x), x.shape[0]  # (frames, patch grid), S = h*w positions per frame
+        S = h * w
         c = self.condition(t, y, text)  # [B, D]
         dsp = self.sequence_parallel
         frames = x.transpose(1, 2)  # [B, T, C, H, W]
@@ -81,7 +82,7 @@ class Latte(VideoDiTBase):
             frames = dsp.split_frames(frames)  # this rank's [B, T/P (padded), C, H, W]
         n_frames = frames.shape[1]  # frames held here: T, or T/P under DSP
         tokens = self.x_embedder(frames.flatten(0, 1))  # [B*n_frames, S, D]
-        tokens = tokens + self.pos_embed.to(tokens.dtype)
+        tokens = tokens + self.spatial_table(h, w, self.pos_embed, tokens.dtype, x.device)
         c_frame = c.repeat_interleave(n_frames, dim=0)  # [B*n_frames, D]: each frame gets its sample's c
         for i in range(0, len(self.blocks), 2):
             tokens = self.blocks[i](tokens, c_frame).view(B, n_frames, S, -1)  # spatial: attention within a frame
@@ -89,7 +90,7 @@ class Latte(VideoDiTBase):
                 tokens = dsp.to_positions(tokens)  # [B, T, S/P (padded), D]: all real frames, split positions
             per_pos = tokens.transpose(1, 2)  # [B, S', T, D]; S' = S, or S/P (padded) under DSP
             if i == 0:
-                per_pos = per_pos + self.temp_embed.to(per_pos.dtype)  # [1, T, D]: the same for every position
+                per_pos = per_pos + self.temporal_table(T, self.temp_embed, per_pos.dtype, x.device)  # [1, T, D]
             n_pos = per_pos.shape[1]
             per_pos = self.blocks[i + 1](per_pos.reshape(B * n_pos, per_pos.shape[2], -1),
                                          c.repeat_interleave(n_pos, dim=0))  # temporal: across frames
@@ -100,4 +101,4 @@ class Latte(VideoDiTBase):
         out = self.final_layer(tokens, c_frame).view(B, n_frames, S, -1)  # [B, n_frames, S, p*p*C]
         if dsp is not None:
             out = dsp.gather_frames(out)  # [B, T, S, p*p*C] on every rank
-        return self.unpatchify(out)
+        return self.unpatchify(out, h, w)

@@ -2,24 +2,19 @@
 
 Input x [B, C, T, H, W] (the Conv3d layout), t [B]; output [B, C_out, T, H, W]. A 3-D patch embedding
 (Conv3d, patch (pt, ph, pw)), fixed sin-cos positions split into a 2-D spatial table [1, S, D] and a 1-D
-temporal one [1, T', D] (S = H'·W', T' = T/pt), summed per token as OpenDiT does. `VideoDiTBase` holds what
-Latte (opendit.models.latte) shares: conditioning, classifier-free guidance, weight init.
+temporal one [1, T', D] (S = H'·W', T' = T/pt), summed per token as OpenDiT does. The stored tables are those of
+input_size; a clip of another size (any T, H, W divisible by the patch) gets the sin-cos tables of its own grid.
+`VideoDiTBase` holds what Latte (opendit.models.latte) shares: conditioning, classifier-free guidance, weight init.
 """
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
 from opendit.models.layers import LabelEmbedder, PatchEmbed3D, TimestepEmbedder
-from opendit.models.pos_embed import sincos_2d, sincos_temporal
-
-
-def spatial_sincos(dim: int, h: int, w: int) -> torch.Tensor:
-    """[h*w, dim] 2-D sin-cos table of an h x w grid, rows in (h, w) order; DiT's sincos_2d when h == w (the
-    square table of the longer side, cropped: a token's embedding depends only on its own (row, column))."""
-    g = max(h, w)
-    return sincos_2d(dim, g).view(g, g, dim)[:h, :w].reshape(h * w, dim)
+from opendit.models.pos_embed import GridTables, sincos_2d, sincos_temporal
 
 
 class VideoDiTBase(SwitchesMixin, nn.Module):
@@ -45,6 +40,9 @@ class VideoDiTBase(SwitchesMixin, nn.Module):
         self.text_dim = text_dim
         self.num_classes = 0 if text_dim else num_classes
         self.t_embedder = TimestepEmbedder(hidden_size)
+        # sin-cos tables of grids other than input_size's (outside the state dict): [h*w, D] and [T', D]
+        self.spatial_tables = GridTables(partial(sincos_2d, hidden_size))
+        self.temporal_tables = GridTables(partial(sincos_temporal, hidden_size))
         if text_dim:
             self.text_embedder = nn.Linear(text_dim, hidden_size)
         elif num_classes > 0:
@@ -68,12 +66,25 @@ class VideoDiTBase(SwitchesMixin, nn.Module):
                              f"y nor text, or build it with num_classes / text_dim")
         return c
 
-    def check_input(self, x):
-        """x must be [B, in_channels, *input_size]: the position tables fix the clip's geometry."""
-        if x.dim() != 5 or tuple(x.shape[1:]) != (self.in_channels, *self.input_size):
-            raise ValueError(f"{type(self).__name__} takes x [B, {self.in_channels}, T, H, W] = [B, "
-                             f"{self.in_channels}, {', '.join(map(str, self.input_size))}], got {tuple(x.shape)}; "
-                             f"build the model with input_size=(T, H, W) of the latents")
+    def check_input(self, x) -> tuple[int, int, int]:
+        """x [B, in_channels, T, H, W], T, H, W multiples of the patch -> the patch grid (T', H', W')."""
+        patch = self.patch_size if isinstance(self.patch_size, tuple) else (1, self.patch_size, self.patch_size)
+        if x.dim() != 5 or x.shape[1] != self.in_channels or any(s % p for s, p in zip(x.shape[2:], patch)):
+            raise ValueError(f"{type(self).__name__} takes x [B, {self.in_channels}, T, H, W] with T, H, W "
+                             f"multiples of its patch {patch} (pt, ph, pw), got {tuple(x.shape)}")
+        return tuple(s // p for s, p in zip(x.shape[2:], patch))
+
+    def spatial_table(self, h: int, w: int, stored: torch.Tensor, dtype, device) -> torch.Tensor:
+        """[1, h*w, D]: the stored table when (h, w) is input_size's grid, else the h x w sin-cos table."""
+        if (h, w) == tuple(self.grid[-2:]):  # the stored grid: VDiT's (T', H', W'), Latte's (H', W')
+            return stored.to(dtype)
+        return self.spatial_tables.get(h, w, device=device, dtype=dtype).unsqueeze(0)
+
+    def temporal_table(self, frames: int, stored: torch.Tensor, dtype, device) -> torch.Tensor:
+        """[1, frames, D]: the stored table when it has that many frames, else the sin-cos table of frames."""
+        if frames == stored.shape[1]:
+            return stored.to(dtype)
+        return self.temporal_tables.get(frames, device=device, dtype=dtype).unsqueeze(0)
 
     def init_pos_tables(self):
         """Fill the fixed sin-cos tables (subclass)."""
@@ -142,7 +153,7 @@ class VDiT(VideoDiTBase):
 
     def init_pos_tables(self):
         D, (frames, h, w) = self.hidden_size, self.grid
-        self.pos_embed_spatial.data.copy_(spatial_sincos(D, h, w).unsqueeze(0))
+        self.pos_embed_spatial.data.copy_(sincos_2d(D, h, w).unsqueeze(0))
         self.pos_embed_temporal.data.copy_(sincos_temporal(D, frames).unsqueeze(0))
 
     def attention_sequences(self):
@@ -152,22 +163,23 @@ class VDiT(VideoDiTBase):
 
     def embed(self, x):
         """x [B, C, T, H, W] -> tokens [B, T'·S, D] with spatial + temporal positions, (t, s) order."""
-        B, (frames, h, w) = x.shape[0], self.grid
+        B, (frames, h, w) = x.shape[0], self.check_input(x)
         tokens = self.x_embedder(x).view(B, frames, h * w, -1)  # "b (t s) d -> b t s d"
-        tokens = tokens + self.pos_embed_spatial.to(tokens.dtype).unsqueeze(1)  # [1, 1, S, D]: every frame
-        tokens = tokens + self.pos_embed_temporal.to(tokens.dtype).unsqueeze(2)  # [1, T', 1, D]: every position
+        spatial = self.spatial_table(h, w, self.pos_embed_spatial, tokens.dtype, x.device)
+        temporal = self.temporal_table(frames, self.pos_embed_temporal, tokens.dtype, x.device)
+        tokens = tokens + spatial.unsqueeze(1)  # [1, 1, S, D]: every frame
+        tokens = tokens + temporal.unsqueeze(2)  # [1, T', 1, D]: every position
         return tokens.flatten(1, 2)
 
-    def unpatchify(self, x):
-        """[B, T'·S, pt*ph*pw*C] -> [B, C, T, H, W]."""
-        (frames, h, w), (pt, ph, pw) = self.grid, self.patch_size
+    def unpatchify(self, x, grid: tuple[int, int, int]):
+        """[B, T'·S, pt*ph*pw*C] of a (T', H', W') patch grid -> [B, C, T, H, W]."""
+        (frames, h, w), (pt, ph, pw) = grid, self.patch_size
         x = x.reshape(x.shape[0], frames, h, w, pt, ph, pw, self.out_channels)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, T', pt, H', ph, W', pw]
         return x.reshape(x.shape[0], self.out_channels, frames * pt, h * ph, w * pw)
 
     def forward(self, x, t, y=None, text=None):
         """x [B, C, T, H, W], t [B], y [B] or text [B, text_dim] -> [B, C_out, T, H, W]."""
-        self.check_input(x)
         tokens, c = self.embed(x), self.condition(t, y, text)
         sp = self.sequence_parallel
         if sp is not None:
@@ -177,4 +189,4 @@ class VDiT(VideoDiTBase):
         out = self.final_layer(tokens, c)
         if sp is not None:
             out = sp.gather(out)  # -> [B, N, pt*ph*pw*C] on every rank
-        return self.unpatchify(out)
+        return self.unpatchify(out, self.check_input(x))

@@ -109,7 +109,8 @@ class Validator:
             positions = by_bucket[bucket]
             mine = positions[self.booster.dp_rank::self.booster.dp_size]
             per_rank = -(-len(positions) // self.booster.dp_size)
-            shards.append([(p, 1.0) for p in mine] + [(mine[-1] if mine else positions[0], 0.0)] * (per_rank - len(mine)))
+            padding = [(mine[-1] if mine else positions[0], 0.0)] * (per_rank - len(mine))
+            shards.append([(p, 1.0) for p in mine] + padding)
         return shards
 
     @torch.no_grad()
