@@ -1,6 +1,7 @@
 """The planner's entry: a run's config and --memory_budget -> the chosen options applied to the config, and the
 plan as a table of bytes per part against the budget (what train.py logs and `python -m opendit.plan` prints)."""
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -93,12 +94,9 @@ def table(cfg, choice: Choice, budget: tuple[float, float], on_cpu: bool) -> str
     return "\n".join(lines)
 
 
-
 def apply_memory_budget(cfg):
     """train.py --memory_budget: the resolved config with the planned options (rank 0 prints the table); the
     options land in the run's config.yaml with the rest."""
-    import os
-
     cfg = family_of(cfg.model).resolve_config(cfg)
     planned, _, text = plan_config(cfg, cfg.memory_budget, int(os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("RANK", "0") == "0":
