@@ -17,12 +17,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from opendit import config as cfglib
-from opendit.booster.mesh import build_mesh, dp_coordinates, mesh_shape
 from opendit.booster.precision import set_tf32
 from opendit.cli import setup_finished
 from opendit.distributed import cleanup, exit_process, init_distributed
-from opendit.inference import complete_sample_config, global_batches, load_model
-from opendit.parallel import validate_sp
+from opendit.inference import (attach_step_cache, complete_sample_config, global_batches, load_model,
+                               sampling_groups, with_vae_decode)
 from opendit.training.run_log import setup_logging
 
 logger = logging.getLogger("opendit")
@@ -39,27 +38,24 @@ def main(cfg: cfglib.SampleConfig) -> None:
     try:
         cfg = complete_sample_config(family, cfg, run)
         conditions = family.conditions(cfg, run)
+        dp_rank, dp_size, writes = sampling_groups(loaded, cfg, conditions, info)  # SP and CFG-parallel groups
+        loaded = with_vae_decode(loaded, cfg, info.world_size, dp_size)  # tiling, --parallel_decode
+        cache = attach_step_cache(loaded.model, cfg)  # --cache: None, or reset before every batch
     except ValueError as e:
         raise SystemExit(f"sample.py: {e}") from None
-    dp_rank, dp_size, writes = info.rank, info.world_size, True
-    if cfg.sequence_parallel_size > 1:  # ranks of one SP group share each batch and split its tokens
-        spec = family.models[run.model]
-        kind = validate_sp(info.world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type,
-                           spec.num_heads, kinds=spec.sp_kinds)
-        mesh = build_mesh(info.device, mesh_shape("ddp", info.world_size, sp_size=cfg.sequence_parallel_size))
-        loaded.model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
-        dp_size, dp_rank = dp_coordinates(mesh)
-        writes = mesh["sp"].get_local_rank() == 0
     sampler = family.make_sampler(cfg, run)
     sampler.progress = info.rank == 0  # a progress bar over each batch's denoising steps
     num = cfg.num_samples or len(conditions)
     writer = family.writer(Path(cfg.out), cfg, run)
     setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     for batch in global_batches(num, cfg.batch_size, dp_rank, dp_size):
+        if cache is not None:
+            cache.reset()  # what it stored belongs to the last batch's samples
         samples = family.sample_batch(loaded, sampler, batch, conditions, cfg, info.device)
         for i, sample in zip(batch, samples if writes else []):
             writer.write(i, sample)
-        logger.info("samples %d-%d of %d written", batch.start, batch.stop - 1, num)
+        logger.info("samples %d-%d of %d written%s", batch.start, batch.stop - 1, num,
+                    "" if cache is None else f" ({cache.report()})")
     dist.barrier()
     if info.rank == 0:
         written = writer.finish(num, conditions)

@@ -24,6 +24,7 @@ from opendit.booster import PLUGINS, PRECISIONS
 from opendit.data.digits import DIGITS_HELP, parse_digits
 from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
+from opendit.models.step_cache import CACHES
 from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES
 from opendit.options import check_value, choices_of, default_of, help_of, opt
 from opendit.parallel import KINDS
@@ -122,6 +123,8 @@ class TrainOptions:
                                "noise) into <run>/previews and TensorBoard; 0: off", check="nonneg")
     preview_steps: int | None = opt(None, "denoising steps of a preview; default: the family's quick setting",
                                     check="positive")
+    preview_cache: str = opt("none", "the step cache of previews (sample.py's --cache; teacache and fbcache at the "
+                                     "family's default threshold)", CACHES)
     ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)", check="positive")
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted", check="positive",
                          fix="the newest checkpoints kept, e.g. 3")
@@ -168,7 +171,7 @@ class TrainOptions:
 @dataclass
 class SampleOptions:
     SECTIONS = {"ckpt": "checkpoint and model", "cfg_scale": "sampling", "out": "output",
-                "mixed_precision": "speed and parallelism"}
+                "mixed_precision": "speed and parallelism", "cache": "step caches (docs/sampling.md)"}
     ckpt: str | None = opt(None, "EMA export (.safetensors), training checkpoint folder, an official release or "
                                  "diffusers folder a model family knows, or latest (newest checkpoint under "
                                  "--outputs)")
@@ -212,6 +215,34 @@ class SampleOptions:
     sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun)",
                                       check="positive")
     sequence_parallel_type: str = opt("auto", "fastseq, ulysses (DiT, VDiT), dsp (Latte), or auto", _sp_kinds)
+    vae_tiling: bool = opt(False, "decode with the VAE's own (diffusers') tiling: overlapping tiles, blended; bounds "
+                                  "the decoder's memory for large images and videos (output differs slightly near "
+                                  "seams)")
+    vae_tile_size: int | None = opt(None, "a tile's side in pixels, a multiple of 4 x the VAE's downsampling (32 for "
+                                          "SD's, FLUX's and Wan's VAEs); turns --vae_tiling on; default: the VAE's "
+                                          "own (its config's sample_size, e.g. 256 SD, 1024 FLUX; Wan 256)",
+                                    check="positive")
+    vae_batch: int = opt(64, "images, frames (video with SD's VAE: decoded frame by frame) or Wan clips per VAE "
+                             "decoder call", check="positive")
+    parallel_decode: bool = opt(False, "the ranks that share each sample (--sequence_parallel_size, --cfg_parallel) "
+                                       "split its decode: by images or frames, or by tiles (--vae_tiling) when there "
+                                       "are fewer than ranks; Wan clips never by frames")
+    cfg_parallel: bool = opt(False, "classifier-free guidance's conditional and unconditional halves on two rank "
+                                    "groups (under torchrun: 2 x --sequence_parallel_size processes, or a "
+                                    "multiple); needs --cfg_scale > 1")
+    cache: str = opt("none", "reuse the previous denoising step's work: teacache (skip every block while block 0's "
+                             "modulated input has changed little), fbcache (skip all blocks after the first while its "
+                             "residual has changed little), pab (broadcast attention outputs; video models); none: "
+                             "off", CACHES)
+    cache_threshold: float | None = opt(None, "teacache / fbcache: skip while the relative L1 change stays below it "
+                                              "(0: never skip); default: the family's, provisional", check="nonneg")
+    pab_range: list[float] = opt(help="pab: START STOP, the fractions of the steps between which attention is "
+                                      "broadcast (equal: never)", factory=lambda: [0.1, 0.9])
+    pab_spatial_every: int = opt(2, "pab: recompute spatial (and full self-) attention every N steps in --pab_range",
+                                 check="positive")
+    pab_temporal_every: int = opt(4, "pab: recompute temporal attention every N steps in --pab_range",
+                                  check="positive")
+    pab_cross_every: int = opt(6, "pab: recompute cross-attention every N steps in --pab_range", check="positive")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Sampling from a trained model: find the checkpoint, the settings it was trained with and its model family,
 load the model, and generate by fixed global indices so that N processes produce exactly the samples one
-process would. Everything model-specific (noise shape, conditioning, sampler, outputs) is the family's; so are
-checkpoints that are not opendit's own (an official release, a diffusers folder), which a family recognises.
+process would (`sampling_groups`: the processes' data-parallel, CFG and sequence-parallel groups). Everything
+model-specific (noise shape, conditioning, sampler, outputs) is the family's; so are checkpoints that are not
+opendit's own (an official release, a diffusers folder), which a family recognises.
 """
 import dataclasses
 import json
@@ -9,6 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 
 from opendit import config as cfglib
@@ -18,9 +20,12 @@ from opendit.checkpoint import CheckpointCorruptError, checkpoint_kind, latest_r
 from opendit.checkpoint.layout import is_step_dir
 from opendit.checkpoint.safe_read import safe_load
 from opendit.checkpoint.weights import ACCEPTED
+from opendit.encoders.vae_decode import DecodeOptions, check_tile_size
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.lora.run import apply_lora_files, parse_lora_spec
+from opendit.models.step_cache import THRESHOLD_CACHES, StepCache, check_supported, make_step_cache
+from opendit.parallel import enable_cfg_parallel, sampling_mesh, validate_cfg_parallel, validate_sp
 
 logger = logging.getLogger("opendit")
 
@@ -170,6 +175,37 @@ def complete_sample_config(family, sample_cfg, cfg):
     return sample_cfg
 
 
+def check_step_cache(sample_cfg, model=None) -> None:
+    """A ValueError naming the flag when the step-cache settings of a completed sample config (the family's
+    threshold filled in) cannot run, or `model` (a model or its class) has no hook for the cache."""
+    kind, threshold = sample_cfg.cache, sample_cfg.cache_threshold
+    if kind in THRESHOLD_CACHES and threshold is None:
+        raise ValueError(f"--cache {kind} needs --cache_threshold (this model's family has no default), e.g. 0.1")
+    if kind not in THRESHOLD_CACHES and threshold is not None:
+        raise ValueError(f"--cache_threshold {threshold} applies to --cache teacache or fbcache, not --cache {kind}; "
+                         f"leave it out or pick one of those")
+    pab_range = sample_cfg.pab_range
+    if len(pab_range) != 2 or not 0 <= pab_range[0] <= pab_range[1] <= 1:
+        raise ValueError(f"--pab_range {' '.join(map(str, pab_range))}: must be two fractions START STOP "
+                         f"with 0 <= START <= STOP <= 1, e.g. 0.1 0.9")
+    if kind == "pab" and sample_cfg.compile:
+        raise ValueError("--cache pab with --compile: PAB decides per step inside the compiled blocks, which would "
+                         "recompile them every step; drop one of the two")
+    if model is not None:
+        check_supported(model, kind)
+
+
+def attach_step_cache(model, sample_cfg) -> StepCache | None:
+    """The step cache of a completed sample config attached to `model` (None for --cache none); reset it before
+    every sampling batch. A ValueError naming the flag when it cannot run (check_step_cache)."""
+    check_step_cache(sample_cfg, model)
+    every = {"spatial": sample_cfg.pab_spatial_every, "temporal": sample_cfg.pab_temporal_every,
+             "cross": sample_cfg.pab_cross_every}
+    cache = make_step_cache(sample_cfg.cache, sample_cfg.num_sampling_steps, sample_cfg.cache_threshold, every,
+                            tuple(sample_cfg.pab_range))
+    return None if cache is None else cache.attach(model)
+
+
 def speed_up(model, mixed_precision: str = "fp32", compile: bool = False):
     """bf16 / fp16: the model's weights and compute in that dtype (inputs cast to it, outputs back to fp32, so
     the sampler's math stays fp32); compile: torch.compile each block, as training's --compile does."""
@@ -186,3 +222,46 @@ def global_batches(num_samples: int, batch_size: int, rank: int, world_size: int
     """Batches of global sample indices; batch k belongs to rank k % world_size (fixed, whatever the world)."""
     batches = [range(s, min(s + batch_size, num_samples)) for s in range(0, num_samples, batch_size)]
     return batches[rank::world_size]
+
+
+def sampling_groups(loaded, sample_cfg, conditions: list, info) -> tuple[int, int, bool]:
+    """(data-parallel rank, data-parallel size, whether this rank writes) of sample.py's process. With
+    --sequence_parallel_size or --cfg_parallel the world is a ("dp", "cfg", "sp") mesh: the ranks of one cfg x sp
+    group share each batch (one of them writes it), the SP ranks split its tokens and the CFG pair its [cond;
+    uncond] halves. Flags the world cannot run are a ValueError before any group is built."""
+    sp_size, cfg_size = sample_cfg.sequence_parallel_size, 2 if sample_cfg.cfg_parallel else 1
+    if sp_size * cfg_size == 1:
+        return info.rank, info.world_size, True
+    if cfg_size > 1:  # guidance runs with a scale above 1 on a conditional model (conditions [None]: none)
+        validate_cfg_parallel(info.world_size, sp_size, sample_cfg.cfg_scale > 1.0 and conditions != [None])
+    if sp_size > 1:
+        spec = loaded.family.models[loaded.cfg.model]
+        kind = validate_sp(info.world_size, sp_size, sample_cfg.sequence_parallel_type, spec.num_heads,
+                           kinds=spec.sp_kinds)
+    mesh = sampling_mesh(info.device, info.world_size, sp_size, cfg_size)
+    if sp_size > 1:
+        loaded.model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
+    if cfg_size > 1:
+        enable_cfg_parallel(loaded.model, mesh["cfg"].get_group())
+    writes = mesh["sp"].get_local_rank() == 0 and mesh["cfg"].get_local_rank() == 0
+    return mesh["dp"].get_local_rank(), mesh["dp"].size(), writes
+
+
+def with_vae_decode(loaded, sample_cfg, world_size: int, dp_size: int):
+    """`loaded` decoding as --vae_tiling, --vae_tile_size and --vae_batch say and, with --parallel_decode, split over
+    the world_size / dp_size ranks that share each batch (one sequence- or CFG-parallel group: consecutive ranks, as
+    the dp-major sampling mesh lays them out). A tile size the VAE cannot take, or --parallel_decode where every
+    process samples its own batches, is a ValueError."""
+    vae, tile = getattr(loaded.encoders, "vae", None), sample_cfg.vae_tile_size
+    if tile is not None and vae is not None:
+        check_tile_size(vae, tile)
+    group = None
+    if sample_cfg.parallel_decode:
+        if world_size == dp_size:
+            raise ValueError("--parallel_decode: every process decodes only its own samples already; it splits the "
+                             "decode of the samples a sequence-parallel group shares: add --sequence_parallel_size N "
+                             "(N processes per sample)")
+        group, _ = dist.new_subgroups(group_size=world_size // dp_size)
+    options = DecodeOptions(tiling=sample_cfg.vae_tiling or tile is not None, tile_size=tile,
+                            batch=sample_cfg.vae_batch, group=group)
+    return dataclasses.replace(loaded, vae_decode=options)

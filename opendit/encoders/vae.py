@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from opendit.encoders.vae_decode import DecodeOptions, decode_latents
+
 SD_VAE_SCALE = 0.18215
 # FLUX's autoencoder (black-forest-labs/flux AutoEncoderParams scale_factor / shift_factor; diffusers' FLUX.1 vae
 # config: scaling_factor / shift_factor): 16 latent channels, z = (sample - 0.1159) * 0.3611
@@ -93,11 +95,13 @@ def encode(vae, x: torch.Tensor, generator: torch.Generator | None = None,
 
 
 @torch.no_grad()
-def decode(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
-    """z: scaled latents [B, C_lat, h, w] -> float32 images [B, 3, h*f, w*f] clamped to [-1, 1]."""
+def decode(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0,
+           options: DecodeOptions = DecodeOptions()) -> torch.Tensor:
+    """z: scaled latents [B, C_lat, h, w] -> float32 images [B, 3, h*f, w*f] clamped to [-1, 1]; tiled, options.batch
+    images per decoder call and split over ranks as `options` say (opendit/encoders/vae_decode.py)."""
     param = next(vae.parameters())
     z = unscale_latents(z.to(device=param.device, dtype=param.dtype), scale, shift)
-    return vae.decode(z).sample.float().clamp_(-1.0, 1.0)
+    return decode_latents(vae, z, options).float().clamp_(-1.0, 1.0)
 
 
 def _frames(x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +129,8 @@ def posterior_frames(vae, x: torch.Tensor, chunk: int = 64) -> tuple[torch.Tenso
 
 @torch.no_grad()
 def decode_frames(vae, z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0,
-                  chunk: int = 64) -> torch.Tensor:
-    """Scaled latent clips z [B, C, T, h, w] -> float32 clips [B, 3, T, H, W] in [-1, 1], frame by frame."""
-    frames = torch.cat([decode(vae, f, scale=scale, shift=shift) for f in _frames(z).split(chunk)])
-    return _clips(frames, z.shape[0])
+                  options: DecodeOptions = DecodeOptions()) -> torch.Tensor:
+    """Scaled latent clips z [B, C, T, h, w] -> float32 clips [B, 3, T, H, W] in [-1, 1], frame by frame: the B*T
+    frames are independent images, options.batch per decoder call (what bounds the memory of a long clip), split
+    over options.group's ranks by frames."""
+    return _clips(decode(vae, _frames(z), scale, shift, options), z.shape[0])

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from opendit.encoders.vae_decode import DecodeOptions, decode_latents
+
 WAN_VAE_CLASS = "AutoencoderKLWan"
 NEEDS = (f"it needs config.json (\"_class_name\": \"{WAN_VAE_CLASS}\") and diffusion_pytorch_model*.safetensors, "
          f"as {WAN_VAE_CLASS}.save_pretrained writes them, or a Wan pipeline folder with vae/; download the vae/ of "
@@ -123,16 +125,17 @@ def wan_posterior(vae, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def wan_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+def wan_decode(vae, latents: torch.Tensor, options: DecodeOptions = DecodeOptions()) -> torch.Tensor:
     """Normalised latents [B, z_dim, 1 + k, h, w] -> float32 clips [B, 3, 1 + 4k, 8h, 8w] in [-1, 1] on latents'
-    device (decoded from latents * latents_std + latents_mean)."""
+    device (decoded from latents * latents_std + latents_mean); spatially tiled, options.batch clips per decoder call
+    and split over ranks by clips or tiles (never by frames: the VAE is causal in time) as `options` say."""
     z_dim = wan_factors(vae)[0]
     if latents.ndim != 5 or latents.shape[1] != z_dim:
         raise ValueError(f"latents must be [B, {z_dim}, frames, h, w], got shape {tuple(latents.shape)}")
     mean, std = _stats(vae, latents.device)
     param = next(vae.parameters())
     z = (latents.float() * std + mean).to(device=param.device, dtype=param.dtype)
-    return vae.decode(z).sample.float().to(latents.device)
+    return decode_latents(vae, z, options).float().to(latents.device)
 
 
 def save_tiny_wan_vae(folder, seed: int = 0, z_dim: int = 16, base_dim: int = 4) -> str:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from opendit.checkpoint import load_weights
 from opendit.data import DatasetSpec, distinct_captions
+from opendit.encoders.vae_decode import DecodeOptions
 from opendit.parallel.plan import HEAD_KINDS
 
 
@@ -118,6 +119,7 @@ class LoadedModel:
     cfg: Any  # the run's training config
     latent_shape: tuple[int, ...]  # per-sample model input to sample, e.g. (C, h, w) (see ModelFamily.sample_shape)
     weights: str  # where the weights came from
+    vae_decode: DecodeOptions = DecodeOptions()  # how the VAE decodes samples (sample.py's --vae_tiling ...)
 
 
 def preview_prompts(dataset, rows: int, model: str) -> list[str]:
@@ -160,6 +162,9 @@ class ModelFamily:
     datasets: Mapping[str, DatasetSpec] = {}  # --dataset values it trains on (opendit.data.dataset_map)
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
+    # sample.py's --cache_threshold when not given, per step cache (opendit.models.step_cache): provisional
+    # values until benchmarks/sample_accel.py measures speed against quality per family
+    cache_thresholds: Mapping[str, float] = {"teacache": 0.1, "fbcache": 0.08}
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
     checkpoint_formats: tuple[str, ...] = ()  # foreign checkpoints recognize_checkpoint knows, for error messages
     # --lora_targets' default: a regex fully matching the names of the Linear layers that get adapters
@@ -242,10 +247,11 @@ class ModelFamily:
         return 250
 
     def sample_defaults(self, sample_cfg, cfg) -> dict:
-        """The family's values for the sample.py settings left out (None): sampler, steps, guidance scale.
-        opendit.inference.complete_sample_config applies them, once, for sample.py and previews alike."""
+        """The family's values for the sample.py settings left out (None): sampler, steps, guidance scale, the
+        step cache's threshold. opendit.inference.complete_sample_config applies them, once, for sample.py and
+        previews alike."""
         return {"sampler": self.samplers[0], "num_sampling_steps": self.default_sampling_steps(cfg),
-                "cfg_scale": self.default_cfg_scale}
+                "cfg_scale": self.default_cfg_scale, "cache_threshold": self.cache_thresholds.get(sample_cfg.cache)}
 
     def conditions(self, sample_cfg, cfg) -> list:
         """What sample i is conditioned on is conditions[i % len(conditions)] (class labels, prompts, None)."""

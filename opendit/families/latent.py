@@ -225,7 +225,7 @@ class LatentImageFamily(ModelFamily):
         vae = loaded.encoders.vae
         if vae is None:
             return latents.clamp(-1, 1)
-        return decode(vae, latents, scale=loaded.cfg.vae_scale, shift=self.vae_shift)
+        return decode(vae, latents, scale=loaded.cfg.vae_scale, shift=self.vae_shift, options=loaded.vae_decode)
 
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:

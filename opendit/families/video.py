@@ -321,7 +321,9 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
         """Latent clips [n, C, T, h, w] -> clips in [-1, 1], decoded frame by frame by the VAE if any."""
         vae = loaded.encoders.vae
-        return decode_frames(vae, latents, loaded.cfg.vae_scale) if vae is not None else latents.clamp(-1, 1)
+        if vae is None:
+            return latents.clamp(-1, 1)
+        return decode_frames(vae, latents, loaded.cfg.vae_scale, options=loaded.vae_decode)
 
     def sample_defaults(self, sample_cfg, cfg) -> dict:
         flow = {"sampler": "euler", "num_sampling_steps": 50} if cfg.objective == "flow" else {}

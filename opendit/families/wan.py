@@ -188,6 +188,7 @@ class WanFamily(LatentImageFamily):
     train_options = WanTrainOptions
     sample_options = WanSampleOptions
     cache_options = WanCacheOptions
+    cache_thresholds = {"teacache": 0.05, "fbcache": 0.05}  # provisional (see ModelFamily.cache_thresholds)
     default_vae_scale = 1.0  # Wan's latents are normalised per channel by the VAE's own mean and std instead
     default_num_frames, default_frame_interval = 16, 1
 
@@ -391,7 +392,7 @@ class WanFamily(LatentImageFamily):
 
     def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
         vae = loaded.encoders.vae
-        return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents)
+        return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents, loaded.vae_decode)
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,

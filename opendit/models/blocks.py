@@ -1,10 +1,13 @@
 """adaLN-Zero transformer blocks shared by the DiT-style families (image DiT, video DiT), and the switches
 (fused kernels, sequence parallelism) every model built from opendit's layers gets. Parameter names match
 the official DiT release."""
+from itertools import islice
+
 import torch.nn as nn
 
 from opendit import kernels
 from opendit.models.layers import Attention, Mlp
+from opendit.models.step_cache import BlockLoop
 from opendit.parallel import SequenceParallel
 
 # Layers applied once per sample (to the condition vector c [B, D] or a pooled text embedding) rather than to every
@@ -52,10 +55,26 @@ class AdaLNZeroBlock(nn.Module):
         x = kernels.gated_residual(x, gate_mlp, self.mlp(self.norm2(x, shift_mlp, scale_mlp)), use_kernel=fused)
         return x
 
+    def modulated_input(self, x, c):
+        """What attention reads, LN(x) * (1 + scale_msa) + shift_msa [B, N, D]: TeaCache's signal."""
+        shift_msa, scale_msa = self.adaLN_modulation(c).chunk(6, dim=1)[:2]
+        return self.norm1(x, shift_msa, scale_msa)
+
     def zero_init(self) -> None:
         """adaLN-Zero: the block starts as the identity."""
         nn.init.zeros_(self.adaLN_modulation[-1].weight)
         nn.init.zeros_(self.adaLN_modulation[-1].bias)
+
+
+def adaln_block_loop(blocks: nn.ModuleList, c, sp) -> BlockLoop:
+    """DiT's and VDiT's loop for opendit.models.step_cache: tokens [B, N, D] (this rank's chunk under sequence
+    parallelism, whose group the caches all-reduce over) through blocks[start:stop], each modulated by c [B, D]."""
+    def run(tokens, start=0, stop=None):
+        for block in islice(blocks, start, stop):
+            tokens = block(tokens, c)
+        return tokens
+    return BlockLoop(run, len(blocks), len(c), lambda tokens: blocks[0].modulated_input(tokens, c),
+                     group=None if sp is None else sp.group)
 
 
 class FinalLayer(nn.Module):

@@ -7,9 +7,10 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin, adaln_block_loop
 from opendit.models.layers import LabelEmbedder, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import GridTables, sincos_2d
+from opendit.models.step_cache import run_blocks
 
 # (depth, hidden, heads) by size name: the DiT paper's four, plus Ti (DeiT-Tiny widths) for CPU demos. The video
 # DiTs (VDiT, Latte) use the same widths; Latte's depth counts its spatial and temporal blocks together.
@@ -19,6 +20,7 @@ DIT_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24
 class DiT(SwitchesMixin, nn.Module):
     # Attribute names of the nn.ModuleLists holding repeated blocks; the booster wraps these one by one.
     _block_lists = ("blocks",)
+    step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
                  mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000, learn_sigma=True):
@@ -95,8 +97,7 @@ class DiT(SwitchesMixin, nn.Module):
         sp = self.sequence_parallel
         if sp is not None:
             tokens = sp.split(tokens)  # [B, N, D] -> this rank's [B, ceil(N/P), D]
-        for block in self.blocks:
-            tokens = block(tokens, c)
+        tokens = run_blocks(self.step_cache, adaln_block_loop(self.blocks, c, sp), tokens)
         out = self.final_layer(tokens, c)
         if sp is not None:
             out = sp.gather(out)  # -> [B, N, p*p*C] on every rank

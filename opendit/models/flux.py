@@ -32,6 +32,8 @@ biases, N(0, 0.02) timestep / guidance embedders, RMSNorm scales one, and adaLN-
 (img_mod, txt_mod, modulation) and the final layer are zero, so each block starts as the identity and a fresh
 model predicts zero.
 """
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,6 +43,7 @@ from opendit.kernels.attention import attention
 from opendit.models.blocks import AdaLNNorm, FinalLayer
 from opendit.models.layers import linear_weight
 from opendit.models.layers import timestep_embedding as _sinusoidal
+from opendit.models.step_cache import BlockLoop, run_blocks
 from opendit.parallel import SequenceParallel
 from opendit.parallel.plan import HEAD_KINDS, padded_len
 
@@ -257,6 +260,11 @@ class DoubleStreamBlock(_Block):
         q, k = attn.norm(q, k, v)
         return q, k, v
 
+    def modulated_input(self, img, vec):
+        """The image stream's modulated input of attention, img_norm1 [B, n_img, D]: TeaCache's signal."""
+        (shift, scale, _), _ = self.img_mod(vec)
+        return self.img_norm1(img, shift, scale)
+
     def forward(self, img, txt, vec, pe):
         """img [B, n_img, D], txt [B, n_txt, D] (this rank's chunks under SP), vec [B, D], pe the joint RoPE."""
         img_mod1, img_mod2 = self.img_mod(vec)
@@ -317,6 +325,7 @@ class Flux(nn.Module):
     _block_lists = ("double_blocks", "single_blocks")
     sp_kinds = HEAD_KINDS
     sequence_parallel = None  # the SequenceParallel hook while sequences are split
+    step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def __init__(self, in_channels: int = 64, out_channels: int | None = None, vec_in_dim: int = 768,
                  context_in_dim: int = 4096, hidden_size: int = 3072, mlp_ratio: float = 4.0, num_heads: int = 24,
@@ -421,15 +430,28 @@ class Flux(nn.Module):
             self._joint.seq_lens = (n_txt, n_img)
             img, txt = sp.split(img), sp.split(txt)
             pe = sp.pad_full(pe, (n_txt, n_img), dim=-2)
-        for block in self.double_blocks:
-            img, txt = block(img, txt, vec, pe)
-        x = torch.cat((txt, img), 1)
-        for block in self.single_blocks:
-            x = block(x, vec, pe)
-        out = self.final_layer(x[:, txt.shape[1]:], vec)
+        n = txt.shape[1]  # this rank's text tokens: the joint sequence is [txt; img]
+        loop = BlockLoop(partial(self._blocks, vec=vec, pe=pe), len(self.double_blocks) + len(self.single_blocks),
+                         img.shape[0], lambda state: self.double_blocks[0].modulated_input(state[0], vec),
+                         out=lambda state: state[0] if isinstance(state, tuple) else state[:, n:],
+                         group=None if sp is None else sp.group)
+        out = self.final_layer(run_blocks(self.step_cache, loop, (img, txt)), vec)
         if sp is not None:
             out = sp.gather(out, seq_len=n_img)
         return out
+
+    def _blocks(self, state, start=0, stop=None, *, vec, pe):
+        """Blocks start..stop-1 of double_blocks + single_blocks: state (img, txt) [B, n, D] through the double
+        blocks, joined to x = [txt; img] before the first single block, which the single blocks carry on."""
+        n_double = len(self.double_blocks)
+        for i in range(start, n_double + len(self.single_blocks) if stop is None else stop):
+            if i < n_double:
+                state = self.double_blocks[i](*state, vec, pe)
+                continue
+            if i == n_double:
+                state = torch.cat((state[1], state[0]), 1)
+            state = self.single_blocks[i - n_double](state, vec, pe)
+        return state
 
     def forward_with_cfg(self, img, img_ids, txt, txt_ids, timesteps, y, guidance=None, cfg_scale: float = 1.0):
         """Classifier-free guidance on a batch [cond half; uncond half] (the halves differ in txt / y; the first

@@ -11,12 +11,15 @@ input_size; a clip of another frame count or size (H, W divisible by the patch) 
 Sequence parallel: DSP (opendit.parallel.dsp) -- spatial blocks on this rank's frames, one all-to-all to the
 position split before each temporal block and one back after, the output frames gathered at the end.
 """
+from functools import partial
+
 import torch
 import torch.nn as nn
 
 from opendit.models.blocks import AdaLNZeroBlock, FinalLayer
 from opendit.models.layers import PatchEmbed
 from opendit.models.pos_embed import sincos_2d, sincos_temporal
+from opendit.models.step_cache import BlockLoop, run_blocks
 from opendit.models.vdit import VideoDiTBase
 from opendit.parallel.dsp import DynamicSequenceParallel
 
@@ -65,11 +68,35 @@ class Latte(VideoDiTBase):
         self.sequence_parallel = None if group is None else DynamicSequenceParallel(group, counter)
         return self.sequence_parallel
 
+    def pab_attention(self):
+        """(attention layer, PAB kind) of every block: spatial blocks[2k], temporal blocks[2k+1]."""
+        return [(block.attn, "temporal" if i % 2 else "spatial") for i, block in enumerate(self.blocks)]
+
     def unpatchify(self, x, h: int, w: int):
         """[B, T, S, p*p*C] of an h x w patch grid (S = h*w) -> [B, C, T, h*p, w*p]."""
         p, c = self.patch_size, self.out_channels
         x = x.reshape(*x.shape[:2], h, w, p, p, c).permute(0, 6, 1, 2, 4, 3, 5)  # [B, C, T, H', p, W', p]
         return x.reshape(x.shape[0], c, x.shape[2], h * p, w * p)
+
+    def _pairs(self, tokens, start=0, stop=None, *, c, c_frame, dims):
+        """Block pairs start..stop-1 (pair k: spatial blocks[2k], then temporal blocks[2k+1]) on this rank's frames'
+        tokens [B*n_frames, S, D]; c [B, D], c_frame [B*n_frames, D], dims (B, n_frames, S, T)."""
+        (B, n_frames, S, T), dsp = dims, self.sequence_parallel
+        for i in range(2 * start, len(self.blocks) if stop is None else 2 * stop, 2):
+            tokens = self.blocks[i](tokens, c_frame).view(B, n_frames, S, -1)  # spatial: attention within a frame
+            if dsp is not None:
+                tokens = dsp.to_positions(tokens)  # [B, T, S/P (padded), D]: all real frames, split positions
+            per_pos = tokens.transpose(1, 2)  # [B, S', T, D]; S' = S, or S/P (padded) under DSP
+            if i == 0:
+                per_pos = per_pos + self.temporal_table(T, self.temp_embed, per_pos.dtype, tokens.device)  # [1, T, D]
+            n_pos = per_pos.shape[1]
+            per_pos = self.blocks[i + 1](per_pos.reshape(B * n_pos, per_pos.shape[2], -1),
+                                         c.repeat_interleave(n_pos, dim=0))  # temporal: across frames
+            tokens = per_pos.view(B, n_pos, -1, per_pos.shape[-1]).transpose(1, 2)  # [B, T, S', D]
+            if dsp is not None:
+                tokens = dsp.to_frames(tokens)  # [B, T/P, S, D]
+            tokens = tokens.reshape(B * n_frames, S, -1)
+        return tokens
 
     def forward(self, x, t, y=None, text=None):
         """x [B, C, T, H, W], t [B], y [B] or text [B, text_dim] -> [B, C_out, T, H, W]."""
@@ -84,20 +111,10 @@ class Latte(VideoDiTBase):
         tokens = self.x_embedder(frames.flatten(0, 1))  # [B*n_frames, S, D]
         tokens = tokens + self.spatial_table(h, w, self.pos_embed, tokens.dtype, x.device)
         c_frame = c.repeat_interleave(n_frames, dim=0)  # [B*n_frames, D]: each frame gets its sample's c
-        for i in range(0, len(self.blocks), 2):
-            tokens = self.blocks[i](tokens, c_frame).view(B, n_frames, S, -1)  # spatial: attention within a frame
-            if dsp is not None:
-                tokens = dsp.to_positions(tokens)  # [B, T, S/P (padded), D]: all real frames, split positions
-            per_pos = tokens.transpose(1, 2)  # [B, S', T, D]; S' = S, or S/P (padded) under DSP
-            if i == 0:
-                per_pos = per_pos + self.temporal_table(T, self.temp_embed, per_pos.dtype, x.device)  # [1, T, D]
-            n_pos = per_pos.shape[1]
-            per_pos = self.blocks[i + 1](per_pos.reshape(B * n_pos, per_pos.shape[2], -1),
-                                         c.repeat_interleave(n_pos, dim=0))  # temporal: across frames
-            tokens = per_pos.view(B, n_pos, -1, per_pos.shape[-1]).transpose(1, 2)  # [B, T, S', D]
-            if dsp is not None:
-                tokens = dsp.to_frames(tokens)  # [B, T/P, S, D]
-            tokens = tokens.reshape(B * n_frames, S, -1)
+        loop = BlockLoop(partial(self._pairs, c=c, c_frame=c_frame, dims=(B, n_frames, S, T)), len(self.blocks) // 2,
+                         B, lambda tokens: self.blocks[0].modulated_input(tokens, c_frame),
+                         group=None if dsp is None else dsp.group, blocks_per_unit=2)
+        tokens = run_blocks(self.step_cache, loop, tokens)
         out = self.final_layer(tokens, c_frame).view(B, n_frames, S, -1)  # [B, n_frames, S, p*p*C]
         if dsp is not None:
             out = dsp.gather_frames(out)  # [B, T, S, p*p*C] on every rank

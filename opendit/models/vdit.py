@@ -12,9 +12,10 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin, adaln_block_loop
 from opendit.models.layers import LabelEmbedder, PatchEmbed3D, TimestepEmbedder
 from opendit.models.pos_embed import GridTables, sincos_2d, sincos_temporal
+from opendit.models.step_cache import run_blocks
 
 
 class VideoDiTBase(SwitchesMixin, nn.Module):
@@ -28,6 +29,7 @@ class VideoDiTBase(SwitchesMixin, nn.Module):
     initialize_weights()."""
 
     _block_lists = ("blocks",)
+    step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def _add_conditioning(self, input_size, patch_size, in_channels, hidden_size, num_classes, class_dropout_prob,
                           learn_sigma, text_dim):
@@ -161,6 +163,11 @@ class VDiT(VideoDiTBase):
         frames, h, w = self.grid
         return [(1, frames * h * w)] * len(self.blocks)
 
+    def pab_attention(self):
+        """(attention layer, PAB kind) of every block: full attention over T'·S tokens counts as spatial, the kind
+        recomputed most often."""
+        return [(block.attn, "spatial") for block in self.blocks]
+
     def embed(self, x):
         """x [B, C, T, H, W] -> tokens [B, T'·S, D] with spatial + temporal positions, (t, s) order."""
         B, (frames, h, w) = x.shape[0], self.check_input(x)
@@ -184,8 +191,7 @@ class VDiT(VideoDiTBase):
         sp = self.sequence_parallel
         if sp is not None:
             tokens = sp.split(tokens)  # [B, N, D] -> this rank's [B, ceil(N/P), D]
-        for block in self.blocks:
-            tokens = block(tokens, c)
+        tokens = run_blocks(self.step_cache, adaln_block_loop(self.blocks, c, sp), tokens)
         out = self.final_layer(tokens, c)
         if sp is not None:
             out = sp.gather(out)  # -> [B, N, pt*ph*pw*C] on every rank

@@ -43,6 +43,8 @@ its flattened weight, N(0, 0.02) text and time embeddings, a zero head) and N(0,
 import json
 import math
 import os
+from functools import partial
+from itertools import islice
 
 import torch
 import torch.nn as nn
@@ -51,6 +53,7 @@ from opendit import kernels
 from opendit.kernels.attention import attention
 from opendit.models.blocks import AdaLNNorm
 from opendit.models.layers import linear_weight
+from opendit.models.step_cache import BlockLoop, run_blocks
 from opendit.parallel import SequenceParallel, all_to_all, gather_seq, pad_dim
 from opendit.parallel.plan import HEAD_KINDS
 
@@ -211,6 +214,11 @@ class WanAttentionBlock(nn.Module):
         y = self.ffn(self.norm2(x.float(), shift2, scale2).to(self.ffn[0].weight.dtype))
         return kernels.gated_residual(x, gate2, y, use_kernel=fused)
 
+    def modulated_input(self, x, e0):
+        """What self-attention reads, norm1 modulated by e0 [B, 6, dim] -> [B, n, dim] fp32: TeaCache's signal."""
+        shift1, scale1 = (self.modulation.float() + e0.float()).unbind(1)[:2]
+        return self.norm1(x.float(), shift1, scale1)
+
 
 class Head(nn.Module):
     """adaLN (e + modulation [1, 2, dim]) then Linear(dim, prod(patch_size) * out_dim)."""
@@ -234,6 +242,7 @@ class WanModel(nn.Module):
     _block_lists = ("blocks",)
     sp_kinds = HEAD_KINDS
     sequence_parallel = None  # the SequenceParallel hook while tokens are split
+    step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def __init__(self, model_type: str = "t2v", patch_size=(1, 2, 2), text_len: int = 512, in_dim: int = 16,
                  dim: int = 2048, ffn_dim: int = 8192, freq_dim: int = 256, text_dim: int = 4096, out_dim: int = 16,
@@ -368,10 +377,21 @@ class WanModel(nn.Module):
                                  "each, or the tensor forward")
             freqs = sp.pad_full(freqs, dim=-2) if sp.kind == "fastseq" else sp.split(freqs, dim=-2)
             x = sp.split(x)
-        for block in self.blocks:
-            x = block(x, e0, freqs, context, mask)
-        x = self.head(x, e)
+        loop = BlockLoop(partial(self._blocks, e0=e0, freqs=freqs, context=context, mask=mask), len(self.blocks),
+                         x.shape[0], lambda x: self.blocks[0].modulated_input(x, e0),
+                         group=None if sp is None else sp.group)
+        x = self.head(run_blocks(self.step_cache, loop, x), e)
         return x if sp is None else sp.gather(x, seq_len=n)
+
+    def _blocks(self, x, start=0, stop=None, *, e0, freqs, context, mask):
+        """Blocks start..stop-1 on tokens x [B, n, dim] (this rank's chunk under SP)."""
+        for block in islice(self.blocks, start, stop):
+            x = block(x, e0, freqs, context, mask)
+        return x
+
+    def pab_attention(self):
+        """(attention layer, PAB kind) of every block: self-attention over all f·h·w tokens counts as spatial."""
+        return [pair for block in self.blocks for pair in ((block.self_attn, "spatial"), (block.cross_attn, "cross"))]
 
     def _unpatchify(self, x, grid):
         """Patches [B, f*h*w, prod(patch_size) * out_dim] -> [B, out_dim, f*pt, h*ph, w*pw]."""

@@ -5,7 +5,8 @@ samples a fixed grid into <run>/previews/step-NNNNNN.png (one class or prompt pe
 Everything that could make two previews differ except the weights is fixed: the conditions (the family's
 preview_conditions: every class of a data set with up to MAX_ROWS classes, else the first ones; or prompts), the
 noise (seeded by --global_seed, the same at every step), the sampler and its steps (the family's preview_settings;
---preview_steps overrides the steps), and the guidance (the family's default scale).
+--preview_steps overrides the steps), the guidance (the family's default scale) and the step cache
+(--preview_cache, at the family's default threshold).
 
 Sampling never disturbs training: it runs on a separate copy of the model (built from the config, filled from
 the full weights, freed afterwards) in eval mode under no_grad, and the global RNGs (torch CPU and CUDA, numpy,
@@ -50,7 +51,7 @@ from opendit.distributed import unwrap_model
 from opendit.ema import clean_fqn
 from opendit.families.base import LoadedModel
 from opendit.images import rgb, strip, tile, upscale
-from opendit.inference import complete_sample_config
+from opendit.inference import attach_step_cache, check_step_cache, complete_sample_config
 from opendit.lora import add_lora
 
 logger = logging.getLogger("opendit")
@@ -121,7 +122,8 @@ class Previewer:
         if cfg.preview_steps:
             settings["num_sampling_steps"] = cfg.preview_steps
         self.sample_cfg = complete_sample_config(family, cfglib.SampleConfig(
-            **settings, seed=cfg.global_seed, batch_size=self.rows * self.cols), cfg)
+            **settings, seed=cfg.global_seed, batch_size=self.rows * self.cols, cache=cfg.preview_cache), cfg)
+        check_step_cache(self.sample_cfg, family.models[cfg.model].constructor)  # now, not at the first preview
         self._sampling_encoders = None  # completed for sampling (e.g. a VAE) at the first preview, on rank 0
 
     # ---- set-up ----------------------------------------------------------------------------------------------
@@ -180,6 +182,7 @@ class Previewer:
             if self._sampling_encoders is None:
                 self._sampling_encoders = self.family.sampling_encoders(self.cfg, self.encoders, self.device)
             model = self._model(weights)
+            attach_step_cache(model, self.sample_cfg)  # a fresh model: the cache starts empty
             try:
                 loaded = LoadedModel(self.family, model, self._sampling_encoders, self.cfg, self.latent_shape,
                                      "preview")
