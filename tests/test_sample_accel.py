@@ -1,0 +1,28 @@
+"""The step-cache benchmark's smoke run (benchmarks/sample_accel.py), in-process: a DiT digits model trained a few
+steps, sampled with no cache and with TeaCache from the same noise."""
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the scripts are not a package
+
+
+def test_sample_accel_smoke(tmp_path, capsys, one_thread):
+    import sample_accel
+    out = tmp_path / "accel"
+    [result] = sample_accel.main(["--demos", "digits", "--train_steps", "3", "--train_batch_size", "8",
+                                  "--samples_per_class", "1", "--sampling_steps", "6", "--rows", "none",
+                                  "teacache:0.1", "--out", str(out)])
+    table = (out / "sample_accel.md").read_text()
+    assert sample_accel.table(result).strip() in capsys.readouterr().out
+    assert "| row | seconds | speed-up | skipped | PSNR vs none (dB) | classifier |" in table
+    assert "threads" in table.splitlines()[0]  # the hardware the timings ran on
+    none, tea = result["rows"]
+    assert [none["row"], tea["row"]] == ["none", "teacache:0.1"]
+    assert none["psnr_db"] == math.inf and none["skipped_share"] == 0 and none["speedup"] == 1.0
+    assert "| none |" in table and "| 1.00x | 0.0% | inf |" in table
+    assert tea["evaluations"] > 0 and 0 <= tea["skipped_share"] <= 1 and tea["counts"] == "block evaluations"
+    assert tea["psnr_db"] > 0 and all(r["seconds"] > 0 and 0 <= r["classifier_accuracy"] <= 1 for r in (none, tea))
+    saved = json.loads((out / "sample_accel.json").read_text())
+    assert saved["demos"][0]["rows"][0]["psnr_db"] == math.inf and saved["hardware"] in table
