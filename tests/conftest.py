@@ -25,3 +25,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def family_runs(tmp_path_factory):
+    """One training step of each family's tiny model (pixel space, 8 px; video 4 frames, Wan 5) -> the outputs root
+    holding <family>/<run>; the sampling tests (non-square sizes, step caches) read these checkpoints."""
+    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from tests.test_flux_family import tiny_text_encoders
+    from tests.test_train import run_trainer, tiny_cfg
+
+    root = tmp_path_factory.mktemp("family_runs")
+    t5, clip = tiny_text_encoders(root / "encoders")
+    umt5 = save_tiny_umt5(root / "umt5", max_length=16)
+    settings = {"dit": dict(model="DiT-debug"),
+                "vdit": dict(model="VDiT-debug", dataset="moving_digits", num_frames=4),
+                "latte": dict(model="Latte-debug", dataset="moving_digits", num_frames=4),
+                "flux": dict(model="flux-debug", dataset="captioned_digits", t5=t5, clip=clip),
+                "wan": dict(model="Wan-debug", dataset="moving_digits", num_frames=5, umt5=umt5)}
+    for name, kw in settings.items():
+        run_trainer(tiny_cfg(root / name, max_steps=1, batch_size=4, **kw))
+    return root

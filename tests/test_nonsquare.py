@@ -20,23 +20,13 @@ from opendit.models.latte import Latte
 from opendit.models.pos_embed import sincos_1d, sincos_2d
 from opendit.models.vdit import VDiT
 from tests.distributed import run_distributed
-from tests.test_flux_family import tiny_text_encoders
-from tests.test_train import ROOT, run_trainer, tiny_cfg
+from tests.test_train import ROOT, tiny_cfg
+from tests.test_video_models import _randomize
 
 sys.path.insert(0, str(ROOT))
 import sample  # noqa: E402  (the entry script, run in-process)
 
 TINY = dict(hidden_size=32, depth=2, num_heads=4)
-
-
-def _randomize(model):
-    """Break adaLN-Zero's identity init so every path carries signal."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.1)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------- position tables
@@ -191,42 +181,25 @@ def test_sequence_parallel_splits_a_nonsquare_grid_like_the_plain_path():
 
 
 # ---------------------------------------------------------------------------------------------- sample.py
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One step of each family's tiny model (pixel space, 8 px, video 4 frames; Wan 5) -> {family: outputs}."""
-    root = tmp_path_factory.mktemp("nonsquare")
-    t5, clip = tiny_text_encoders(root / "encoders")
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
-    umt5 = save_tiny_umt5(root / "umt5", max_length=16)
-    settings = {"dit": dict(model="DiT-debug"),
-                "vdit": dict(model="VDiT-debug", dataset="moving_digits", num_frames=4),
-                "latte": dict(model="Latte-debug", dataset="moving_digits", num_frames=4),
-                "flux": dict(model="flux-debug", dataset="captioned_digits", t5=t5, clip=clip),
-                "wan": dict(model="Wan-debug", dataset="moving_digits", num_frames=5, umt5=umt5)}
-    for name, kw in settings.items():
-        run_trainer(tiny_cfg(root / name, max_steps=1, batch_size=4, **kw))
-    return root
-
-
-def _sample(runs, name, out, **flags):
+def _sample(family_runs, name, out, **flags):
     prompt = {"flux": ["a handwritten one"], "wan": ["the digit 1 moving down"]}.get(name, [])
-    sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(runs / name), num_samples=2, batch_size=2,
+    sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(family_runs / name), num_samples=2, batch_size=2,
                                     num_sampling_steps=2, prompts=prompt, out=str(out), npz=True, **flags))
     return np.load(out / "samples.npz")["arr_0"]
 
 
 @pytest.mark.parametrize("name", ["dit", "vdit", "latte", "flux", "wan"])
-def test_sample_py_samples_any_size_of_whole_patches(runs, name, tmp_path, one_thread):
+def test_sample_py_samples_any_size_of_whole_patches(family_runs, name, tmp_path, one_thread):
     video = name in ("vdit", "latte", "wan")
     frames = {"vdit": 4, "latte": 4, "wan": 5}.get(name)
-    default = _sample(runs, name, tmp_path / "default")
+    default = _sample(family_runs, name, tmp_path / "default")
     assert default.shape == ((2, frames, 8, 8, 3) if video else (2, 8, 8, 3))
-    same = _sample(runs, name, tmp_path / "same", height=8, width=8, **({"num_frames": frames} if video else {}))
+    same = _sample(family_runs, name, tmp_path / "same", height=8, width=8, **({"num_frames": frames} if video else {}))
     assert np.array_equal(same, default)  # flags at the trained size change nothing
-    wide = _sample(runs, name, tmp_path / "wide", height=8, width=16)
+    wide = _sample(family_runs, name, tmp_path / "wide", height=8, width=16)
     assert wide.shape == ((2, frames, 8, 16, 3) if video else (2, 8, 16, 3))
     if video:  # Wan's pixel-space demo: any frame count; Latte and VDiT-debug: temporal patch 1
-        longer = _sample(runs, name, tmp_path / "longer", height=16, width=8, num_frames=frames + 2)
+        longer = _sample(family_runs, name, tmp_path / "longer", height=16, width=8, num_frames=frames + 2)
         assert longer.shape == (2, frames + 2, 16, 8, 3)
 
 

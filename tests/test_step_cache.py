@@ -21,9 +21,8 @@ from opendit.models.step_cache import (BlockLoop, FirstBlockCache, PyramidAttent
 from opendit.models.vdit import VDiT
 from opendit.training.preview import Previewer
 from tests.distributed import run_distributed
-from tests.test_flux_family import tiny_text_encoders
 from tests.test_flux_model import tiny_flux
-from tests.test_train import ROOT, run_trainer, tiny_cfg
+from tests.test_train import ROOT, tiny_cfg
 from tests.test_wan_model import tiny_wan
 
 sys.path.insert(0, str(ROOT))
@@ -57,7 +56,7 @@ def test_each_half_of_a_guided_batch_reuses_its_own_residual(cls):
     state = torch.zeros(2, 1)  # rows: [cond; uncond]
     cond_res, uncond_res = torch.tensor([[1.0], [5.0]]), torch.tensor([[2.0], [7.0]])
     loop, calls = _loop(torch.ones(2, 3), [cond_res, uncond_res])
-    assert torch.equal(_step(cache, loop, state), torch.tensor([[3.0], [12.0]]))  # step 0 always runs
+    assert torch.equal(_step(cache, loop, state), torch.tensor([[3.0], [12.0]]))  # step 0 always family_runs
     calls.clear()
     reused = _step(cache, loop, state + 1)
     assert torch.equal(reused, torch.tensor([[4.0], [13.0]]))  # each row: its input + its own residual
@@ -69,7 +68,7 @@ def test_teacache_runs_every_row_when_one_half_changed_too_much():
     loop, calls = _loop(torch.ones(2, 3), [torch.ones(2, 1)])
     _step(cache, loop, torch.zeros(2, 1))
     moved, calls[:] = BlockLoop(loop.run, 1, 2, lambda s: torch.tensor([[1.0] * 3, [9.0] * 3])), []
-    _step(cache, moved, torch.zeros(2, 1))  # the uncond half's signal moved by 800%: the whole batch runs
+    _step(cache, moved, torch.zeros(2, 1))  # the uncond half's signal moved by 800%: the whole batch family_runs
     assert len(calls) == 1 and cache.skipped == 0
     assert torch.equal(cache.accumulated, torch.zeros(2))  # and every row starts accumulating again
 
@@ -218,24 +217,7 @@ def test_pab_on_an_image_model_names_the_flag_and_the_fix():
 
 
 # ---------------------------------------------------------------------------------------------- sample.py
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One step of each family's tiny model (pixel space, 8 px; video 4 frames, Wan 5) -> their outputs root."""
-    root = tmp_path_factory.mktemp("step_cache")
-    t5, clip = tiny_text_encoders(root / "encoders")
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
-    umt5 = save_tiny_umt5(root / "umt5", max_length=16)
-    settings = {"dit": dict(model="DiT-debug"),
-                "vdit": dict(model="VDiT-debug", dataset="moving_digits", num_frames=4),
-                "latte": dict(model="Latte-debug", dataset="moving_digits", num_frames=4),
-                "flux": dict(model="flux-debug", dataset="captioned_digits", t5=t5, clip=clip),
-                "wan": dict(model="Wan-debug", dataset="moving_digits", num_frames=5, umt5=umt5)}
-    for name, kw in settings.items():
-        run_trainer(tiny_cfg(root / name, max_steps=1, batch_size=4, **kw))
-    return root
-
-
-def _sample(runs, name, out, **flags):
+def _sample(family_runs, name, out, **flags):
     """sample.py's samples (uint8) and its log lines of written batches."""
     prompt = {"flux": ["a handwritten one"], "wan": ["the digit 1 moving down"]}.get(name, [])
     guided = {"cfg_scale": 2.0} if name == "flux" else {}  # FLUX's default 1 would leave the batch unguided
@@ -243,7 +225,7 @@ def _sample(runs, name, out, **flags):
     info = sample.logger.info
     sample.logger.info = lambda msg, *args: lines.append(msg % args)
     try:
-        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(runs / name), num_samples=2, batch_size=2,
+        sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(family_runs / name), num_samples=2, batch_size=2,
                                         num_sampling_steps=4, prompts=prompt, out=str(out), npz=True,
                                         **{**guided, **flags}))
     finally:
@@ -252,24 +234,24 @@ def _sample(runs, name, out, **flags):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_sample_py_threshold_zero_equals_no_cache_bitwise(runs, name, tmp_path, one_thread):
-    plain, _ = _sample(runs, name, tmp_path / "none")
+def test_sample_py_threshold_zero_equals_no_cache_bitwise(family_runs, name, tmp_path, one_thread):
+    plain, _ = _sample(family_runs, name, tmp_path / "none")
     caches = [dict(cache="teacache", cache_threshold=0.0), dict(cache="fbcache", cache_threshold=0.0)]
     if name in ("vdit", "latte", "wan"):
         caches.append(dict(cache="pab", pab_range=[0.0, 0.0]))
     for flags in caches:
-        cached, log = _sample(runs, name, tmp_path / flags["cache"], **flags)
+        cached, log = _sample(family_runs, name, tmp_path / flags["cache"], **flags)
         assert np.array_equal(cached, plain), flags
         assert f"({flags['cache']} skipped 0.0% of" in log[0]
-    skipping, log = _sample(runs, name, tmp_path / "skip", cache="teacache", cache_threshold=100.0)
+    skipping, log = _sample(family_runs, name, tmp_path / "skip", cache="teacache", cache_threshold=100.0)
     assert "teacache skipped 50.0% of" in log[0]  # 4 steps: the first and the last run, the middle two reuse
     assert skipping.shape == plain.shape
 
 
-def test_sample_py_cache_errors_name_the_flag(runs, tmp_path):
+def test_sample_py_cache_errors_name_the_flag(family_runs, tmp_path):
     def refused(name, **flags):
         with pytest.raises(SystemExit) as e:
-            _sample(runs, name, tmp_path / "refused", **flags)
+            _sample(family_runs, name, tmp_path / "refused", **flags)
         dist.destroy_process_group()  # sample.py stopped before its own cleanup
         return str(e.value)
     assert "--cache pab: DiT has no attention for PAB" in refused("dit", cache="pab")
