@@ -16,7 +16,7 @@ from opendit.families import family_of
 from opendit.plan import choose
 from opendit.plan.report import build_run, plan_config
 from opendit.plan.__main__ import main as plan_main
-from opendit.training.loop import validate_run
+from opendit.training.run_checks import validate_run
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2 ** 30

@@ -5,7 +5,7 @@ counts as left out): --grad_checkpoint (0, every 4th, every 2nd, every block), -
 --optimizer_state_dtype, --master_weights (under --mixed_precision bf16), --fused_backward, --blocks_to_swap (one
 process, --plugin ddp), --ema_on_host (one process with an EMA) and --grad_accum (the micro-batch, keeping
 --batch_size). Every candidate is accounted (opendit.plan.account) and costed; the cheapest that fits both budgets
-and passes opendit.training.loop.validate_run (the Trainer's own checks) wins. A smaller budget admits a subset of
+and passes opendit.training.run_checks.validate_run (the Trainer's own checks) wins. A smaller budget admits a subset of
 the plans a larger one admits, so it never gets a faster plan.
 
 Cost model, in seconds per optimizer step (only the order matters; the constants are stated, not measured):

@@ -11,7 +11,7 @@ from opendit.families import family_of
 from opendit.plan.account import PARTS, Run
 from opendit.plan.measure import model_facts
 from opendit.plan.planner import Choice, choose, totals
-from opendit.training.loop import validate_run
+from opendit.training.run_checks import validate_run
 
 GiB = 2 ** 30
 MARGIN = 0.9  # `auto` plans within 90% of the free device memory and of the host's available memory

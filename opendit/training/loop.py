@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from opendit import config as cfglib
-from opendit.booster import Booster, build_plugin
+from opendit.booster import Booster
 from opendit.booster.precision import compute_dtype, set_tf32
 from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
                                 load_into_meta_model, new_run_dir, record_files, resolve_checkpoint, save_checkpoint)
@@ -23,12 +23,12 @@ from opendit.kernels import configure_kernels
 from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, export_lora, family_module_map,
                               weights_fingerprint)
 from opendit.optim import LeanOptimizer
-from opendit.parallel import validate_sp
 from opendit.perf import MFUMeter
 from opendit.seeding import rng_state, seed_everything, set_rng_state
 from opendit.training.guard import PeerTimeoutError, StepGuard, is_timeout
-from opendit.training.optimizer import (OptimizerOptions, build_train_optimizer, cast_for_master_weights,
-                                        prepare_boosted_optimizer, validate_optimizer)
+from opendit.training.run_checks import validate_run
+from opendit.training.optimizer import (build_train_optimizer, cast_for_master_weights,
+                                        prepare_boosted_optimizer)
 from opendit.training.preview import Previewer, gather_preview_weights
 from opendit.training.validation import BucketSums, TrainingPart, Validator, holdout, spread
 from opendit.training.run_log import RunLogger, setup_logging
@@ -69,30 +69,6 @@ class Interval:
         self.loss.zero_()
         self.steps = self.good = 0
         self.data_wait = 0.0
-
-
-def validate_run(cfg, spec, world_size: int, device=None):
-    """Every impossible combination of a run's options, as a ValueError naming the flag and the fix, before any work
-    (no process group needed) -> (the plugin, the optimizer options, the sequence-parallel kind). The Trainer asks
-    it, and so does the memory planner (opendit.plan) of every plan it would pick."""
-    plugin = build_plugin(cfg.plugin, mixed_precision=cfg.mixed_precision, dp_replicate=cfg.dp_replicate,
-                          sp_size=cfg.sequence_parallel_size, grad_checkpoint=cfg.grad_checkpoint, compile=cfg.compile,
-                          device=device, blocks_to_swap=cfg.blocks_to_swap)
-    plugin.validate(world_size)
-    optim_opts = OptimizerOptions(cfg.optimizer, cfg.optimizer_offload, cfg.optimizer_state_dtype, cfg.master_weights,
-                                  cfg.fused_backward)
-    validate_optimizer(optim_opts, plugin=cfg.plugin, world_size=world_size, mixed_precision=cfg.mixed_precision,
-                       grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip, blocks_to_swap=cfg.blocks_to_swap)
-    sp_kind = validate_sp(world_size, cfg.sequence_parallel_size, cfg.sequence_parallel_type, spec.num_heads,
-                          kinds=spec.sp_kinds)
-    if cfg.ema_on_host and (world_size > 1 or cfg.ema_decay == 0):
-        raise ValueError("--ema_on_host is for one process with an EMA (--ema_decay > 0); with several "
-                         "processes the EMA is already sharded over the ranks: leave it out")
-    dp_size = world_size // cfg.sequence_parallel_size
-    if cfg.grad_accum < 1 or cfg.batch_size % (dp_size * cfg.grad_accum):
-        raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by data-parallel size "
-                         f"{dp_size} x --grad_accum {cfg.grad_accum}")
-    return plugin, optim_opts, sp_kind
 
 
 class Trainer:
