@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a short lease on one GPU (H200): at most 600 s of timeouts in all,
-# what one device command may run (training 75 + sampling 40 + kernels 40 + offload 40 + tests 50 + eval 15 +
-# train.py 40 + 30 + 30 + video 25 + 15 + FLUX 40 + Wan 45 + LoRA 55 + planner 60). FLUX gave 60 s to the planner
-# check: FLUX_S=100 on a longer lease.
+# what one device command may run (training 75 + sampling 30 + kernels 40 + offload 30 + tests 50 + eval 15 +
+# train.py 40 + 30 + 30 + video 25 + 15 + FLUX 40 + FLUX cached sampling 30 + Wan 45 + LoRA 55 + planner 50).
+# FLUX gave 60 s to the planner check: FLUX_S=100 on a longer lease.
 # Results land under $OUT (default ./gpu_results). Run from the repository root; no install (PYTHONPATH=.).
 #   OUT=/tmp/r bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -23,18 +23,18 @@ timeout "${THROUGHPUT_S:-75}" python3 benchmarks/train_throughput.py --model DiT
   --batch_size 256 --recipe_batch_size 32 --warmup 3 --steps 8 --time_budget "${BUDGET_S:-50}" \
   --out "$OUT/train_throughput.md" --profile all --profile_out "$OUT/step_profile.md" 2>&1 | grep -v Warning | tail -60
 
-# a, ours, b, ours-nokernels (compiling is most of the last three's time); variants that would start after 30 s
-# are skipped, and a run the timeout kills still leaves its finished rows in sampling.md
+# a, ours, b, ours-nokernels (compiling is most of the last three's time); variants that would start late
+# are skipped (after 22 s), and a run the timeout kills still leaves its finished rows in sampling.md
 stamp "sampling throughput (DiT-XL/2, 256px, batch 256, cfg 4: 512 per model call)"
-timeout "${SAMPLING_S:-40}" python3 benchmarks/sample_throughput.py --model DiT-XL/2 --image_size 256 \
-  --batch_size 256 --steps 10 --warmup_steps 2 --time_budget "${SAMPLING_BUDGET_S:-30}" \
+timeout "${SAMPLING_S:-30}" python3 benchmarks/sample_throughput.py --model DiT-XL/2 --image_size 256 \
+  --batch_size 256 --steps 10 --warmup_steps 2 --time_budget "${SAMPLING_BUDGET_S:-22}" \
   --out "$OUT/sampling.md" 2>&1 | grep -v Warning | tail -14
 
 stamp "kernel benchmark"
 timeout "${KERNELS_S:-40}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30
 
 stamp "optimizer offload (DiT-XL/2, batch 32)"
-timeout "${OPTIM_S:-40}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \
+timeout "${OPTIM_S:-30}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \
   --out "$OUT/optim_offload.md" 2>&1 | grep -v Warning | tail -12
 
 stamp "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap)"
@@ -68,6 +68,9 @@ rm -rf /tmp/gpu_video
 stamp "FLUX: flux-dev 1024px full fine-tune step under a 16 GiB cap (lean options, block swap; synthetic cache)"
 timeout "${FLUX_S:-40}" python3 benchmarks/flux_lean_step.py --steps 3 --out "$OUT/flux_lean.md" 2>&1 \
   | grep -v Warning | tail -12
+stamp "FLUX cached sampling: flux-dev 1024px, 10 Euler steps, --cache none / teacache / fbcache (random weights)"
+timeout "${FLUX_CACHE_S:-30}" python3 benchmarks/flux_cache_sampling.py --steps 10 --out "$OUT/flux_cache.md" 2>&1 \
+  | grep -v Warning | tail -8
 stamp "Wan: Wan2.1-T2V-1.3B 33 x 480 x 480 full fine-tune step (lean options; synthetic cache), vs wan_memory.py's plan"
 timeout "${WAN_S:-45}" python3 benchmarks/wan_lean_step.py --steps 3 --out "$OUT/wan_lean.md" 2>&1 \
   | grep -v Warning | tail -8
@@ -76,7 +79,7 @@ timeout "${LORA_S:-55}" python3 benchmarks/lora_step.py --device cuda --steps 3 
   --out "$OUT/lora_step.md" 2>&1 | grep -v Warning | tail -6
 # the planner's predicted CUDA peak vs max_memory_allocated over 2 Trainer steps; reuses the LoRA step's zero base
 stamp "planner: predicted vs measured peak (DiT-XL/2 256px batch 8; flux-dev LoRA 16 at 512px)"
-timeout "${PLAN_S:-60}" python3 benchmarks/plan_check.py --work /dev/shm/plan_check \
+timeout "${PLAN_S:-50}" python3 benchmarks/plan_check.py --work /dev/shm/plan_check \
   --base /dev/shm/lora_step/base.safetensors --out "$OUT/plan_check.md" 2>&1 | grep -v Warning | tail -6
 rm -rf /dev/shm/lora_step /dev/shm/plan_check
 stamp "done"

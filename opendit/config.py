@@ -128,6 +128,8 @@ class TrainOptions:
     ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)", check="positive")
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted", check="positive",
                          fix="the newest checkpoints kept, e.g. 3")
+    async_ckpt: bool = opt(False, "write checkpoints in the background: the step waits only for the copy to host "
+                                  "memory (one save in flight; the run's end waits for the last)")
     outputs: str = opt("outputs", "runs go to <outputs>/NNN-<model>/")
     load: str | None = opt(None, "resume: a checkpoint folder; latest: the newest complete one under --outputs "
                                  "(an error if there is none); auto: the same, else start fresh (for torchrun "

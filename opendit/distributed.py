@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -55,26 +56,45 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
 
 
 def _restart_safe_store(timeout: datetime.timedelta):
-    """The job's store under torchrun, scoped to this attempt (None: let torch make it).
+    """A store of this attempt's own under torchrun (None: torch makes a fresh one itself).
 
-    torchrun's agent keeps one store server for the whole job, and a restarted attempt finds the keys the
-    killed one left there: gloo's peer addresses, NCCL's unique id. A new rank can read a dead peer's address
-    and init_process_group fails ("Gloo connectFullMesh failed ... Connection refused"; PyTorch issue 135712;
-    4 of 4 restarts of a 2-rank job on torch 2.13). Keys under the restart count are fresh in every attempt.
-    The count is the same for every rank of one node; across nodes it is not (an agent counts only its own
-    node's failures), so a job of several nodes is told to turn the shared store off instead."""
+    By default torchrun keeps one store server for the whole job (TORCHELASTIC_USE_AGENT_STORE=True), and a
+    restarted attempt finds the keys the killed one left there: gloo's peer addresses, NCCL's unique id. A new
+    rank can read a dead peer's address and init_process_group fails ("Gloo connectFullMesh failed ...
+    Connection refused"; PyTorch issue 135712). torch's own scope for an attempt, the restart count, is a count
+    per node: after a failure on one node of several the counts differ, and the nodes look under different keys.
+    So rank 0 of every attempt serves a new store (on its node, MASTER_ADDR) and announces its port and a token
+    in the job's store; the other ranks connect to the port announced there and check the token. An address the
+    killed attempt announced refuses the connection (its server died with it) or shows another token, and is
+    read again until rank 0 of this attempt has announced its own: no setting (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
+    is needed on any node."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
-        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and int(os.environ.get("RANK", 0)) == 0:
-            logging.getLogger("opendit").warning(
-                "torchrun --max-restarts on several nodes: a restart may read the failed attempt's addresses from "
-                "torchrun's shared store and fail to connect; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
-                "node's environment before torchrun (PyTorch issue 135712)")
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"opendit/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    host, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    job = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        own.set(_ATTEMPT_TOKEN, token)
+        job.set(_ATTEMPT_STORE, f"{own.port} {token}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, token = job.get(_ATTEMPT_STORE).decode().split()
+        try:
+            own = dist.TCPStore(host, int(port), is_master=False, timeout=_PROBE)
+            if own.get(_ATTEMPT_TOKEN).decode() == token:
+                return own
+        except (RuntimeError, dist.DistError):  # the killed attempt's server, gone: wait for this attempt's
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: timed out after {timeout} waiting for rank 0 of this torchrun attempt "
+                               f"to announce its store (last announced: port {port} on {host})")
+        time.sleep(0.2)
+
+
+_ATTEMPT_STORE, _ATTEMPT_TOKEN = "opendit/attempt-store", "opendit/attempt-token"
+_PROBE = datetime.timedelta(seconds=3)  # connecting to an announced store: a live one answers at once
 
 
 def default_num_workers() -> int:
@@ -123,12 +143,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's obj, in rank order ([obj] without a process group)."""
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's obj, in rank order ([obj] without a process group). group: another process group than the
+    default one (the background checkpoint writer's)."""
     if not in_process_group():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

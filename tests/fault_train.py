@@ -5,6 +5,9 @@ torchrun). The fault is set by the environment, so the command line stays train.
     OPENDIT_FAULT=hang:3:1    rank 1 stops responding before step 3 (sleeps; SIGTERM cannot wake it)
     OPENDIT_FAULT=signal:4:1:SIGUSR1   rank 1 sends itself SIGUSR1 before step 4
     OPENDIT_FAULT=nan:3,4     every rank's loss is NaN at steps 3 and 4 (a range 3-99 works too)
+    OPENDIT_FAULT=killsaving:4:0   rank 0's background write of step 4's checkpoint (--async_ckpt) stalls, and rank
+                                   0 SIGKILLs itself before step 5, while that write is in flight (first attempt)
+    OPENDIT_FAULT=slow:0.5    every step takes 0.5 s longer (time to send a second signal during one)
 """
 import os
 import runpy
@@ -32,6 +35,15 @@ def faulty_train_step(fault: str):
     rank = int(os.environ.get("RANK", 0))
     original_step = Trainer.train_step
 
+    if kind == "slow":
+        def train_step(self, batch):
+            time.sleep(float(rest))
+            return original_step(self, batch)
+        return train_step
+    if kind == "killsaving":
+        at, victim = (int(n) for n in rest.split(":"))
+        _stall_checkpoint_writes(f"step-{at:06d}")
+        kind, rest = "kill", f"{at + 1}:{victim}"
     if kind == "nan":
         bad = _steps(rest)
 
@@ -43,7 +55,7 @@ def faulty_train_step(fault: str):
                 return (per_sample * float("nan") if self.step + 1 in bad else per_sample), t
             self.objective.losses = losses.__get__(self.objective)
             return original_step(self, batch)
-    else:
+    else:  # kill, hang, signal
         parts = rest.split(":")
         at, victim = int(parts[0]), int(parts[1])
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -59,6 +71,19 @@ def faulty_train_step(fault: str):
                     os.kill(os.getpid(), getattr(signal, parts[2]))
             return original_step(self, batch)
     return train_step
+
+
+def _stall_checkpoint_writes(folder_name: str) -> None:
+    """DCP's writes into the checkpoint folder named folder_name (its .tmp- name) take a minute."""
+    from opendit.checkpoint.save import RecordingWriter
+
+    write_data = RecordingWriter.write_data
+
+    def stalled(self, plan, planner):
+        if str(self.path).endswith(folder_name):
+            time.sleep(60)
+        return write_data(self, plan, planner)
+    RecordingWriter.write_data = stalled
 
 
 if __name__ == "__main__":

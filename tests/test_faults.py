@@ -125,6 +125,22 @@ def test_save_on_signal_false_leaves_sigterm_to_end_the_run_at_once(tmp_path):
     assert _checkpoints(out) == []
 
 
+def test_a_second_sigterm_ends_the_run_at_once_without_a_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    proc = _launch([FAULT_TRAIN, *DEBUG_ARGS, "--max_steps", "100000", "--outputs", str(out)],
+                   env={"OPENDIT_FAULT": "slow:3"})  # each step takes 3 s: both signals arrive within one
+    log = out / "000-DiT-debug" / "log.jsonl"
+    deadline = time.time() + 120
+    while not log.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    code, text = _finish(proc)
+    assert code == -signal.SIGTERM and "received SIGTERM" in text, text[-3000:]
+    assert _checkpoints(out) == [] and "stopped by SIGTERM" not in text
+
+
 def test_load_auto_without_a_checkpoint_starts_fresh(tmp_path):
     trainer, _ = run_trainer(tiny_cfg(tmp_path, max_steps=1, load="auto"))
     assert trainer.run_dir.name == "000-DiT-debug" and _checkpoints(tmp_path) == ["step-000001"]

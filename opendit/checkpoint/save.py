@@ -123,44 +123,38 @@ def _write_trainer_files(tmp: str, step: int, lr_scheduler, extra: dict | None, 
             "meta.json": write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())}
 
 
-def _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra, trainable_only) -> dict:
-    """This rank's part of a save: DCP shards, its rank file (rank 0: trainer.pt, meta.json); their manifest
-    entries, checksummed by this rank."""
-    writer = RecordingWriter(tmp)
+def write_dcp(tmp: str, state: dict, writer: "RecordingWriter") -> dict:
+    """This rank's DCP shards of `state` into tmp; their manifest entries."""
     try:
         with quiet_single_process():
-            dcp.save(app_state(model, optimizer, ema, trainable_only), checkpoint_id=tmp, storage_writer=writer,
-                     no_dist=not in_process_group())
+            dcp.save(state, checkpoint_id=tmp, storage_writer=writer, no_dist=not in_process_group())
     except (Exception, dcp.api.CheckpointException) as e:
-        if writer.write_errors:  # the OSError under torch.save's RuntimeError
+        if writer.write_errors:
             raise writer.write_errors[0] from e
         raise
-    entries = describe_files(tmp, writer.written)
+    return describe_files(tmp, writer.written)
+
+
+def written_error(writer: "RecordingWriter", e: BaseException) -> BaseException:
+    """The OSError under torch.save's RuntimeError when a write failed, else e."""
+    return writer.write_errors[0] if writer.write_errors else e
+
+
+def write_small_files(tmp, step, lr_scheduler, extra, has_ema: bool) -> dict:
+    """This rank's rank file (rank 0: also trainer.pt, meta.json); their manifest entries."""
     own = os.path.relpath(rank_file(tmp, current_rank()), tmp)
-    entries[own] = write_bytes(os.path.join(tmp, own), _torch_bytes({"rng": rng_state(), "extra": extra or {}}))
+    entries = {own: write_bytes(os.path.join(tmp, own), _torch_bytes({"rng": rng_state(), "extra": extra or {}}))}
     if current_rank() == 0:
-        entries.update(_write_trainer_files(tmp, step, lr_scheduler, extra, ema is not None))
+        entries.update(_write_trainer_files(tmp, step, lr_scheduler, extra, has_ema))
     return entries
 
 
-def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_scheduler=None,
-                    extra: dict | None = None, keep_last: int | None = None, trainable_only: bool = False) -> str:
-    """Save everything needed to resume at `step` into root/step-XXXXXX and return that path.
-
-    A collective: call on every rank; `root` must be on a filesystem all ranks share. `extra` is a
-    picklable dict saved per rank (data positions differ per rank): sampler state, resolved config, ...
-    `keep_last`: keep only the newest K step dirs (None: keep all). `trainable_only`: the model's frozen
-    parameters are not saved (a LoRA run: the adapters only; resume loads them with the same flag). Writes
-    root/.tmp-step-XXXXXX, which rank 0 renames after every rank has written and manifest.json lists every
-    file; re-saving an existing step replaces it. A failure on any rank raises on every rank (OSError naming
-    the folder for write errors).
-    """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    check_args(optimizer, ema, lr_scheduler)
+def begin_save(root: str, step: int) -> tuple[str, str, BaseException | None, bool]:
+    """The first, collective part of a save: rank 0 makes root/.tmp-step-XXXXXX (removing leftovers) -> the final
+    and the temporary path, this rank's failure, and whether every rank may write into tmp now."""
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
-    failure, entries = None, {}
+    failure = None
     if current_rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -168,12 +162,15 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
             os.makedirs(os.path.join(tmp, "ranks"))
         except OSError as e:
             failure = e
-    if all(all_gather_objects(failure is None)):  # every rank writes its files into tmp, then reports them
-        try:
-            entries = _write_rank_files(tmp, step, model, optimizer, ema, lr_scheduler, extra, trainable_only)
-        except (Exception, dcp.api.CheckpointException) as e:
-            failure = e
-    reports = all_gather_objects(entries if failure is None else None)
+    return final, tmp, failure, all(all_gather_objects(failure is None))
+
+
+def commit_save(root: str, step: int, final: str, tmp: str, entries: dict, failure: BaseException | None,
+                keep_last: int | None, group=None) -> str:
+    """The last, collective part of a save (group: the process group to agree on): every rank reports the files
+    it wrote (entries) or its failure; rank 0 writes the manifest, renames tmp to final and prunes. A failure on
+    any rank raises on every rank (an OSError naming the folder for write errors)."""
+    reports = all_gather_objects(entries if failure is None else None, group)
     if current_rank() == 0 and None not in reports:  # rank 0: the manifest, the rename, pruning
         try:
             files = {name: entry for report in reports for name, entry in report.items()}
@@ -190,7 +187,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
             failure = e
     error = None if failure is None else save_error(final, current_rank(), failure)
     report = None if error is None else (isinstance(error, OSError), getattr(error, "errno", None), str(error))
-    outcomes = all_gather_objects(report)  # also the barrier: on success the step dir exists now
+    outcomes = all_gather_objects(report, group)  # also the barrier: on success the step dir exists now
     disk = next((r for r in outcomes if r is not None and r[0]), None)  # a write error: the clearest cause
     if error is not None and (isinstance(error, OSError) or disk is None):
         raise error from (None if error is failure else failure)
@@ -200,3 +197,34 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_sc
     if failed is not None:
         raise RuntimeError(f"saving checkpoint {final} failed: {failed[2]}")
     return final
+
+
+def save_checkpoint(root: str, step: int, model, optimizer=None, ema=None, lr_scheduler=None,
+                    extra: dict | None = None, keep_last: int | None = None, trainable_only: bool = False) -> str:
+    """Save everything needed to resume at `step` into root/step-XXXXXX and return that path.
+
+    A collective: call on every rank; `root` must be on a filesystem all ranks share. `extra` is a
+    picklable dict saved per rank (data positions differ per rank): sampler state, resolved config, ...
+    `keep_last`: keep only the newest K step dirs (None: keep all). `trainable_only`: the model's frozen
+    parameters are not saved (a LoRA run: the adapters only; resume loads them with the same flag). Writes
+    root/.tmp-step-XXXXXX, which rank 0 renames after every rank has written and manifest.json lists every
+    file; re-saving an existing step replaces it. A failure on any rank raises on every rank (OSError naming
+    the folder for write errors). opendit.checkpoint.async_save writes the same folder in the background.
+    """
+    check_save_args(keep_last, optimizer, ema, lr_scheduler)
+    final, tmp, failure, writable = begin_save(root, step)
+    entries = {}
+    if writable:  # every rank writes its files into tmp, then reports them
+        try:
+            writer = RecordingWriter(tmp)
+            entries = write_dcp(tmp, app_state(model, optimizer, ema, trainable_only), writer)
+            entries.update(write_small_files(tmp, step, lr_scheduler, extra, ema is not None))
+        except (Exception, dcp.api.CheckpointException) as e:
+            failure = e
+    return commit_save(root, step, final, tmp, entries, failure, keep_last)
+
+
+def check_save_args(keep_last, optimizer, ema, lr_scheduler) -> None:
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    check_args(optimizer, ema, lr_scheduler)

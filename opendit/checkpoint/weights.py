@@ -70,8 +70,9 @@ def export_ema(ema: ShardedEMA, path: str, metadata: dict | None = None) -> str 
     return out
 
 
-def _load_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
-    """Full tensors of one top-level entry ("ema" or "model") of a step directory, in this process."""
+def read_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
+    """Full tensors of one top-level entry ("ema" or "model") of a step directory, in this process: unverified
+    and without a collective (safe from a background thread; load_weights verifies first)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = SafeReader(path).read_metadata()
@@ -90,15 +91,16 @@ def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[
     """{official fqn: tensor} on the CPU from a .safetensors export, a .pt (a plain state_dict, or a training
     checkpoint {"model", "ema", ...} as the DiT release writes it) or a step directory. `key` picks "ema" or
     "model"; default: the EMA when the file has one (sampling wants the EMA). mmap: map a .pt's tensors instead
-    of reading them (cheap for looking at keys and shapes). No collective inside. Step directories (and files
-    listed in one's manifest) are verified first; nothing is unpickled beyond tensors."""
+    of reading them (cheap for looking at keys and shapes). Step directories (and files listed in one's manifest)
+    are verified first (for a step directory in a process group a collective: call on every rank); nothing is
+    unpickled beyond tensors."""
     path = os.fspath(path)
     kind = checkpoint_kind(path)
     if kind == "step":
         resolve_checkpoint(path)
         verify_checkpoint(path, names=[n for n in read_manifest(path) or {}
                                        if n == ".metadata" or n.endswith(".distcp")])
-        return _load_dcp_weights(path, key or ("ema" if read_meta(path)["has_ema"] else "model"))
+        return read_dcp_weights(path, key or ("ema" if read_meta(path)["has_ema"] else "model"))
     verify_listed_file(path)
     if kind == "safetensors":
         if key is not None:

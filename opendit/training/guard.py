@@ -28,14 +28,32 @@ class NonFiniteTrainingError(RunStopped):
     """Too many non-finite steps in a row: the run stops (its message says where to resume from)."""
 
 
-class PeerTimeoutError(RunStopped):
-    """A collective waited longer than --dist_timeout: a peer died, hangs or is far slower."""
+class PeerLostError(RunStopped):
+    """A collective failed for want of a peer: it waited longer than --dist_timeout (the peer died, hangs or is
+    far slower), or the peer's connection broke (its process or its machine died)."""
+
+    @classmethod
+    def of(cls, error: BaseException, step: int, dist_timeout: float, last_checkpoint: str | None):
+        """The one-line error for a collective's `error` (lost_peer not None) at `step`."""
+        resume = (f"the last checkpoint is {last_checkpoint}: resume with --load auto" if last_checkpoint else
+                  "no checkpoint was saved in this run")
+        what = (f"another rank did not answer within --dist_timeout {dist_timeout} min (it died, hangs, or is far "
+                f"slower)" if lost_peer(error) == "timeout" else
+                "the connection to another rank broke (its process or its node died)")
+        return cls(f"step {step}: {what}; {resume}")
 
 
-def is_timeout(error: BaseException) -> bool:
-    """Whether a collective's error is a timeout (gloo: "Timed out waiting ..."; NCCL's watchdog aborts the
-    process itself, with its own message)."""
-    return isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+BROKEN_CONNECTION = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """What a collective's error says about the peers: "timeout" (gloo: "Timed out waiting ..."), "broken"
+    (gloo: "Connection reset by peer" when a peer's process is gone), else None. NCCL's watchdog aborts the
+    process itself, with its own message."""
+    text = str(error).lower() if isinstance(error, RuntimeError) else ""
+    if "timed out" in text:
+        return "timeout"
+    return "broken" if any(words in text for words in BROKEN_CONNECTION) else None
 
 
 class StepGuard:

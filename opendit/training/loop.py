@@ -12,26 +12,27 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.booster import Booster
 from opendit.booster.precision import compute_dtype, set_tf32
-from opendit.checkpoint import (export_ema, find_resume_checkpoint, latest_run_checkpoint, load_checkpoint,
-                                load_into_meta_model, new_run_dir, record_files, resolve_checkpoint, save_checkpoint)
+from opendit.checkpoint import (find_resume_checkpoint, latest_run_checkpoint, load_checkpoint, load_into_meta_model,
+                                new_run_dir, resolve_checkpoint)
 from opendit.data import count_skipped
 from opendit.data.buckets import bucket_summary
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
-from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, export_lora, family_module_map,
+from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_module_map,
                               weights_fingerprint)
 from opendit.optim import LeanOptimizer
 from opendit.perf import MFUMeter
 from opendit.seeding import rng_state, seed_everything, set_rng_state
-from opendit.training.guard import PeerTimeoutError, StepGuard, is_timeout
+from opendit.training.guard import PeerLostError, StepGuard, lost_peer
 from opendit.training.run_checks import validate_run
 from opendit.training.optimizer import (build_train_optimizer, cast_for_master_weights,
                                         prepare_boosted_optimizer)
 from opendit.training.preview import Previewer, gather_preview_weights
 from opendit.training.validation import BucketSums, TrainingPart, Validator, holdout, spread
 from opendit.training.run_log import RunLogger, setup_logging
+from opendit.training.saving import RunSaver
 
 logger = logging.getLogger("opendit")
 
@@ -99,7 +100,7 @@ class Trainer:
         self.step = 0
         if self.resume_from is not None:
             self._resume()
-        self.last_checkpoint = self.resume_from
+        self.saver = RunSaver(cfg.async_ckpt, last=self.resume_from)
         # the loss stays a device tensor between logs (float64: the sum a Python float would give)
         self._interval = Interval(torch.zeros((), dtype=torch.float64, device=self.dist.device),
                                   BucketSums(self.dist.device))
@@ -245,13 +246,9 @@ class Trainer:
             try:
                 return self._train()
             except RuntimeError as e:
-                if not is_timeout(e):
+                if lost_peer(e) is None:
                     raise
-                resume = (f"the last checkpoint is {self.last_checkpoint}: resume with --load auto"
-                          if self.last_checkpoint else "no checkpoint was saved in this run")
-                raise PeerTimeoutError(
-                    f"step {self.step + 1}: another rank did not answer within --dist_timeout {self.cfg.dist_timeout} "
-                    f"min (it died, hangs, or is far slower); {resume}") from e
+                raise PeerLostError.of(e, self.step + 1, self.cfg.dist_timeout, self.last_checkpoint) from e
 
     def _train(self) -> list[float]:
         cfg, losses = self.cfg, []
@@ -283,6 +280,7 @@ class Trainer:
                     self._preview(log)
                 if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps or stop:
                     self.save()
+                self.saver.note_committed()
                 log.pause(time.perf_counter() - aside)
                 if stop:
                     logger.info("stopped by %s after step %d; resume with --load auto (or --load %s)",
@@ -334,6 +332,7 @@ class Trainer:
         return metrics["loss"]
 
     def _end(self, log: RunLogger, losses: list[float]) -> list[float]:
+        self.saver.wait()  # the run ends once its last checkpoint is complete
         skipped = count_skipped(self.dataset)
         if skipped and self.dist.rank == 0:
             logger.warning("%d unreadable files were skipped in this run (the first ones are named above)", skipped)
@@ -388,27 +387,9 @@ class Trainer:
         return bad
 
     def save(self) -> None:
-        settings = cfglib.run_settings(self.cfg)
-        extra = {"data": self.loader.state_dict(), "config": settings}
-        if self.booster.scaler is not None:
-            extra["loss_scaler"] = self.booster.scaler.state_dict()
-        if self.lora_base is not None:
-            extra["lora_base"] = self.lora_base
-        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer, ema=self.ema,
-                               lr_scheduler=self.scheduler, extra=extra, keep_last=self.cfg.keep_last,
-                               trainable_only=self.lora_base is not None)
-        if self.lora_base is not None:  # the adapters for sample.py, diffusers and ComfyUI, naming their base
-            names = export_lora(path, self.model, self.ema, self.lora_map, {
-                "opendit_model": self.cfg.model, "opendit_base": self.lora_base["path"],
-                "opendit_base_sha256": self.lora_base["sha256"]})
-            if names:  # rank 0 wrote them
-                record_files(path, names)
-        elif self.ema is not None:  # without one, sample.py reads the checkpoint's weights
-            export_ema(self.ema, Path(path) / "ema.safetensors", metadata={"config": settings})
-        if self.dist.rank == 0:
-            cfglib.save_yaml(settings, Path(path) / "config.yaml")
-            record_files(path, ["config.yaml"])  # into the checkpoint's manifest, so a load verifies it too
-        dist.barrier()
-        self.last_checkpoint = path
-        logger.info("saved checkpoint %s", path)
+        self.saver.save(self)
 
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The newest complete checkpoint of this run (or the one it resumed from)."""
+        return self.saver.last
