@@ -28,6 +28,7 @@ from opendit.models.step_cache import make_step_cache  # noqa: E402
 
 def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """The family's `name` model with its own init on `device`, every all-zero weight given N(0, 0.02) values."""
+    torch.manual_seed(0)
     with torch.device(device):
         model = FAMILIES["flux"].models[name].build()
     with torch.no_grad():

@@ -106,3 +106,13 @@ def test_a_failed_background_write_is_raised_by_the_next_wait_and_commits_nothin
     with pytest.raises(OSError, match="step-000001.*disk full"):
         saver.wait()
     assert not (tmp_path / "step-000001").exists()
+
+
+def test_ckpt_blocking_benchmark_smoke(tmp_path):
+    """benchmarks/ckpt_blocking.py on DiT-debug: a sync and an async row, the checkpoints removed after."""
+    from tests.test_video_family import cli
+    out = cli("benchmarks/ckpt_blocking.py", "--model", "DiT-debug", "--saves", "1", "--out", tmp_path / "ckpt")
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| sync", "| async"))]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows), out.stdout
+    assert "x shorter with --async_ckpt" in out.stdout, out.stdout
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

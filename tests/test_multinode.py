@@ -3,10 +3,12 @@ training equals one agent of the same world size; a worker killed on one node re
 a lost node is one clear error; SIGTERM to the agents saves and exits 0. See docs/multinode.md."""
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.agents import DEBUG_ARGS, FAULT_TRAIN, Agents, checkpoints, losses, one_agent, wait_for_step
+from tests.agents import (DEBUG_ARGS, FAULT_TRAIN, Agents, checkpoints, losses, one_agent, process_tree,
+                          wait_for_step)
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +88,25 @@ def test_sigterm_to_the_agents_saves_and_every_worker_exits_0(tmp_path, nnodes):
     # no worker was killed or failed (torchrun itself ends with its SignalException traceback and exit status 1)
     assert "forcefully exiting" not in text and "exitcode: -" not in text, (codes, text[-4000:])
     assert not [line for line in text.splitlines() if line.startswith("[rank") and "Traceback" in line], text[-4000:]
+
+
+def test_a_launcher_ended_by_sigusr1_makes_its_workers_save_and_exit(tmp_path):
+    """SIGUSR1 (or SIGKILL) ends torchrun without passing anything on; its workers would train on unsupervised.
+    They get a signal from the kernel instead (PR_SET_PDEATHSIG), save and exit."""
+    out = tmp_path / "out"
+    with Agents(["train.py", *DEBUG_ARGS, "--max_steps", "100000", "--outputs", str(out)], tmp_path / "logs",
+                nnodes=1, nproc=2) as agents:
+        wait_for_step(out, 2, agents.procs)
+        workers = process_tree(agents.procs[0].pid)[1:]
+        assert len(workers) == 2, workers
+        agents.signal(0, signal.SIGUSR1)
+        agents.procs[0].wait(timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.2)
+    assert not any(Path(f"/proc/{w}").exists() for w in workers)  # ended on their own, before the kill above
+    text = agents.text()
+    assert text.count("torchrun's agent (this worker's parent) ended") == 2, text[-4000:]
+    assert "stopped by the end of torchrun's agent after step" in text, text[-4000:]
+    step = max(losses(out))
+    assert checkpoints(out) == [f"step-{step:06d}"], text[-4000:]

@@ -26,3 +26,16 @@ def test_sample_accel_smoke(tmp_path, capsys, one_thread):
     assert tea["psnr_db"] > 0 and all(r["seconds"] > 0 and 0 <= r["classifier_accuracy"] <= 1 for r in (none, tea))
     saved = json.loads((out / "sample_accel.json").read_text())
     assert saved["demos"][0]["rows"][0]["psnr_db"] == math.inf and saved["hardware"] in table
+
+
+def test_flux_cache_sampling_smoke(tmp_path):
+    """benchmarks/flux_cache_sampling.py (gpu_check.sh's flux-dev row) on flux-debug on the CPU."""
+    from tests.test_video_family import cli
+    out = tmp_path / "flux_cache.md"
+    cli("benchmarks/flux_cache_sampling.py", "--model", "flux-debug", "--image_size", "64", "--device", "cpu",
+        "--steps", "6", "--out", out)
+    lines = out.read_text().splitlines()
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows[1:]] == ["none", "teacache", "fbcache"], rows
+    assert rows[1][4].strip() == "1.00x" and rows[1][5].strip() == "0.0%"
+    assert all(float(r[2]) > 0 and 0 <= float(r[5].strip(" %")) <= 100 for r in rows[1:])

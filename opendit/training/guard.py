@@ -5,13 +5,19 @@ SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGUSR1 (SLU
 flag here; the trainer finishes the step it is in, saves a checkpoint and exits 0. A signal may reach one rank
 only, or the ranks at different steps, so the flag travels in the same small all-reduce as the non-finite
 verdict: every rank takes the same decision at the same step. A second signal of the same kind ends the
-process at once (the default action), for a user who really means it.
+process at once (the default action), for a user who really means it. Under torchrun a worker also asks the
+kernel for a signal (LAUNCHER_GONE) when its agent dies: SIGUSR1 or SIGKILL to torchrun end it without passing
+anything on, and its workers, each in a session of their own, would train on unsupervised. They save and exit the
+same way instead (the kernel may send it once per thread of the agent: never an escalation).
 
 A non-finite step changes nothing (weights, optimizer states, EMA, lr schedule stay as they were); after
 `max_bad_steps` of them in a row the run stops with NonFiniteTrainingError.
 """
+import ctypes
 import logging
+import os
 import signal
+import sys
 import threading
 
 import torch
@@ -22,6 +28,7 @@ from opendit.cli import RunStopped
 logger = logging.getLogger("opendit")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_GONE = signal.SIGUSR2
 
 
 class NonFiniteTrainingError(RunStopped):
@@ -56,6 +63,17 @@ def lost_peer(error: BaseException) -> str | None:
     return "broken" if any(words in text for words in BROKEN_CONNECTION) else None
 
 
+def signal_when_the_parent_dies(sig: signal.Signals) -> None:
+    """Linux: have the kernel send this process `sig` when its parent (torchrun's agent) dies; at once if it
+    already has."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), sig)
+
+
 class StepGuard:
     """checking: test each step for a non-finite loss / gradient norm (reading the verdict waits for the step's
     backward pass: one host sync per step); handle_signals: save and stop on SIGTERM / SIGUSR1."""
@@ -67,7 +85,7 @@ class StepGuard:
         self.checking = max_bad_steps > 0
         self.bad_in_a_row = self.bad_total = 0
         self.stop_signal: str | None = None  # the name of the signal that asked to stop, agreed by all ranks
-        self._received: signal.Signals | None = None
+        self._received: str | None = None  # the name of what this rank received
         self._previous: dict = {}
 
     # ---- signals -----------------------------------------------------------------------------------------------
@@ -75,6 +93,9 @@ class StepGuard:
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                self._previous[LAUNCHER_GONE] = signal.signal(LAUNCHER_GONE, self._on_launcher_gone)
+                signal_when_the_parent_dies(LAUNCHER_GONE)
         return self
 
     def __exit__(self, *exc):
@@ -83,12 +104,18 @@ class StepGuard:
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:
-        if self._received == signum:  # asked twice: stop now
+        name = signal.Signals(signum).name
+        if self._received == name:  # asked twice: stop now
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
-        self._received = signal.Signals(signum)
-        logger.warning("received %s: saving a checkpoint after the current step, then exiting",
-                       self._received.name)
+        self._received = name
+        logger.warning("received %s: saving a checkpoint after the current step, then exiting", name)
+
+    def _on_launcher_gone(self, signum, frame) -> None:
+        if self._received is None:
+            self._received = "the end of torchrun's agent"
+            logger.warning("torchrun's agent (this worker's parent) ended: saving a checkpoint after the current "
+                           "step, then exiting")
 
     # ---- the per-step verdict ----------------------------------------------------------------------------------
     @property
@@ -105,7 +132,7 @@ class StepGuard:
             # a CPU tensor: over gloo (also in a NCCL job, whose group has a gloo backend for CPU tensors)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
         if local[1] > 0 and self.stop_signal is None:
-            self.stop_signal = self._received.name if self._received is not None else "a signal on another rank"
+            self.stop_signal = self._received if self._received is not None else "a signal on another rank"
         if local[0] == 0:
             self.bad_in_a_row = 0
             return False
