@@ -66,7 +66,7 @@ def fail(text: str, code: int = 2, hint: bool = True):
     if _is_rank0():
         say("error", line)
         if joined and dist.get_world_size() > 1:
-            _tell_peers(dist)
+            _tell_peers()
     else:
         _wait_for_rank0(dist if joined else None, line)
     if joined:
@@ -82,9 +82,9 @@ def fail(text: str, code: int = 2, hint: bool = True):
 _PRINTED = "opendit/cli/error_printed"
 
 
-def _tell_peers(dist) -> None:
+def _tell_peers() -> None:
     try:
-        dist.distributed_c10d._get_default_store().set(_PRINTED, "1")
+        _lasting_store().set(_PRINTED, "1")
     except Exception:  # noqa: BLE001 - a peer then prints its own line after its wait
         pass
 
@@ -99,7 +99,7 @@ def _wait_for_rank0(dist, line: str) -> None:
         return
     try:
         from datetime import timedelta
-        dist.distributed_c10d._get_default_store().wait([_PRINTED], timedelta(seconds=30))
+        _lasting_store().wait([_PRINTED], timedelta(seconds=30))
     except Exception:  # noqa: BLE001 - timed out, or the store is gone with rank 0
         print(f"error: [rank {os.environ.get('RANK')}] {line}", file=sys.stderr, flush=True)
 
@@ -140,9 +140,14 @@ def run_entry(main_fn, cfg, check=None):
         fail("rank 0 failed", hint=False)
 
 
+def _lasting_store():
+    from opendit.distributed import lasting_store  # torch is loaded by then: a process group exists
+    return lasting_store()
+
+
 def _rank0_failed() -> bool:
     dist = sys.modules.get("torch.distributed")
     try:
-        return dist.is_initialized() and dist.distributed_c10d._get_default_store().check([_PRINTED])
+        return dist.is_initialized() and _lasting_store().check([_PRINTED])
     except Exception:  # noqa: BLE001
         return False

@@ -63,8 +63,9 @@ def _restart_safe_store(timeout: datetime.timedelta):
     rank can read a dead peer's address and init_process_group fails ("Gloo connectFullMesh failed ...
     Connection refused"; PyTorch issue 135712). torch's own scope for an attempt, the restart count, is a count
     per node: after a failure on one node of several the counts differ, and the nodes look under different keys.
-    So rank 0 of every attempt serves a new store (on its node, MASTER_ADDR) and announces its port and a token
-    in the job's store; the other ranks connect to the port announced there and check the token. An address the
+    So rank 0 of every attempt serves a new store on its node and announces its address, port and a token in the
+    job's store (at MASTER_ADDR, which need not be rank 0's node); the other ranks connect to what is announced
+    there and check the token. An address the
     killed attempt announced refuses the connection (its server died with it) or shows another token, and is
     read again until rank 0 of this attempt has announced its own: no setting (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
     is needed on any node."""
@@ -73,24 +74,52 @@ def _restart_safe_store(timeout: datetime.timedelta):
     host, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     if rank == 0:
-        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        own = dist.TCPStore(_reachable_address(host, int(os.environ["MASTER_PORT"])), 0, world, is_master=True,
+                            timeout=timeout, wait_for_workers=False)
         token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         own.set(_ATTEMPT_TOKEN, token)
-        job.set(_ATTEMPT_STORE, f"{own.port} {token}")
-        return own
+        job.set(_ATTEMPT_STORE, f"{own.host} {own.port} {token}")
+        return _keep_attempt_scope(job, token, own)
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        port, token = job.get(_ATTEMPT_STORE).decode().split()
+        address, port, token = job.get(_ATTEMPT_STORE).decode().split()
         try:
-            own = dist.TCPStore(host, int(port), is_master=False, timeout=_PROBE)
+            own = dist.TCPStore(address, int(port), is_master=False, timeout=_PROBE)
             if own.get(_ATTEMPT_TOKEN).decode() == token:
-                return own
+                return _keep_attempt_scope(job, token, own)
         except (RuntimeError, dist.DistError):  # the killed attempt's server, gone: wait for this attempt's
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"rank {rank}: timed out after {timeout} waiting for rank 0 of this torchrun attempt "
-                               f"to announce its store (last announced: port {port} on {host})")
+                               f"to announce its store (last announced: port {port} on {address})")
         time.sleep(0.2)
+
+
+def _keep_attempt_scope(job, token: str, own):
+    global _lasting
+    _lasting = dist.PrefixStore(f"opendit/attempt/{token}/", job)
+    return own
+
+
+def lasting_store():
+    """A store that every rank of this job reaches and that outlives any one worker: this attempt's keys in
+    torchrun's job store when rank 0 serves the attempt's own (whose server ends with rank 0), else the default
+    store. For messages between ranks about a failure, such as "rank 0 has printed the error"."""
+    return _lasting or dist.distributed_c10d._get_default_store()
+
+
+_lasting = None
+
+
+def _reachable_address(host: str, port: int) -> str:
+    """This node's address on the route to host:port (the job's store), which the other nodes reach too; the
+    host name where no route is found."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: picks the route and the local address, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
 _ATTEMPT_STORE, _ATTEMPT_TOKEN = "opendit/attempt-store", "opendit/attempt-token"
