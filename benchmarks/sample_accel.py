@@ -21,7 +21,7 @@ none's (inf: identical; JSON `Infinity`); and the share of samples the demo's cl
 trained on real digits only) names as their label's or prompt's digit (video: per frame). Writes sample_accel.md
 and sample_accel.json under --out after every demo.
 
-The defaults in opendit/families (ModelFamily.cache_thresholds) are provisional until this table is measured.
+The families' default thresholds (ModelFamily.cache_thresholds) are chosen from this table (benchmarks/README.md).
 """
 import argparse
 import json
@@ -44,7 +44,7 @@ from opendit import config as cfglib  # noqa: E402
 from opendit.data.captions import DIGIT_WORDS  # noqa: E402
 
 PAB_EVERY = ("pab_spatial_every", "pab_temporal_every", "pab_cross_every")
-THRESHOLD_SCALES = (0.5, 1.0, 2.0)  # of the family's default: around the provisional value, both ways
+THRESHOLD_SCALES = (0.5, 1.0, 2.0)  # of the family's default: around it, both ways
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,8 @@ class SampleOptions:
                              "residual has changed little), pab (broadcast attention outputs; video models); none: "
                              "off", CACHES)
     cache_threshold: float | None = opt(None, "teacache / fbcache: skip while the relative L1 change stays below it "
-                                              "(0: never skip); default: the family's, provisional", check="nonneg")
+                                              "(0: never skip); default: the family's (see docs/sampling.md)",
+                                              check="nonneg")
     pab_range: list[float] = opt(help="pab: START STOP, the fractions of the steps between which attention is "
                                       "broadcast (equal: never)", factory=lambda: [0.1, 0.9])
     pab_spatial_every: int = opt(2, "pab: recompute spatial (and full self-) attention every N steps in --pab_range",

@@ -162,8 +162,8 @@ class ModelFamily:
     datasets: Mapping[str, DatasetSpec] = {}  # --dataset values it trains on (opendit.data.dataset_map)
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
-    # sample.py's --cache_threshold when not given, per step cache (opendit.models.step_cache): provisional
-    # values until benchmarks/sample_accel.py measures speed against quality per family
+    # sample.py's --cache_threshold when not given, per step cache (opendit.models.step_cache); a family sets the
+    # values benchmarks/sample_accel.py measured for it (speed against quality); these are a starting point
     cache_thresholds: Mapping[str, float] = {"teacache": 0.1, "fbcache": 0.08}
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
     checkpoint_formats: tuple[str, ...] = ()  # foreign checkpoints recognize_checkpoint knows, for error messages

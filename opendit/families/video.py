@@ -175,6 +175,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
     cache_keys = ("num_frames", "frame_interval")
     checkpoint_formats = ("an official Latte .pt",)
+    cache_thresholds = {"teacache": 0.5, "fbcache": 0.05}  # benchmarks/README.md: Latte digits, >= 2x, none lost
     train_options = VideoTrainOptions
     sample_options = VideoSampleOptions
     cache_options = VideoCacheOptions

@@ -188,7 +188,7 @@ class WanFamily(LatentImageFamily):
     train_options = WanTrainOptions
     sample_options = WanSampleOptions
     cache_options = WanCacheOptions
-    cache_thresholds = {"teacache": 0.05, "fbcache": 0.05}  # provisional (see ModelFamily.cache_thresholds)
+    cache_thresholds = {"teacache": 0.05, "fbcache": 0.05}  # not measured yet: sample_accel.py has no Wan demo
     default_vae_scale = 1.0  # Wan's latents are normalised per channel by the VAE's own mean and std instead
     default_num_frames, default_frame_interval = 16, 1
 
