@@ -65,10 +65,9 @@ def _restart_safe_store(timeout: datetime.timedelta):
     per node: after a failure on one node of several the counts differ, and the nodes look under different keys.
     So rank 0 of every attempt serves a new store on its node and announces its address, port and a token in the
     job's store (at MASTER_ADDR, which need not be rank 0's node); the other ranks connect to what is announced
-    there and check the token. An address the
-    killed attempt announced refuses the connection (its server died with it) or shows another token, and is
-    read again until rank 0 of this attempt has announced its own: no setting (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
-    is needed on any node."""
+    there and check the token. An address the killed attempt announced refuses the connection (its server died
+    with it) or shows another token, and is read again until rank 0 of this attempt has announced its own: no
+    setting (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) is needed on any node."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -108,9 +107,6 @@ def lasting_store():
     return _lasting or dist.distributed_c10d._get_default_store()
 
 
-_lasting = None
-
-
 def _reachable_address(host: str, port: int) -> str:
     """This node's address on the route to host:port (the job's store), which the other nodes reach too; the
     host name where no route is found."""
@@ -123,6 +119,7 @@ def _reachable_address(host: str, port: int) -> str:
 
 
 _ATTEMPT_STORE, _ATTEMPT_TOKEN = "opendit/attempt-store", "opendit/attempt-token"
+_lasting = None  # lasting_store() under a store of the attempt's own
 _PROBE = datetime.timedelta(seconds=3)  # connecting to an announced store: a live one answers at once
 
 
