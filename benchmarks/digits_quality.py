@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import DigitsDataset  # noqa: E402
-from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 
 # The demo recipe of train_img.sh (RECIPE=digits): keep the two in step.
 RECIPE = dict(model="DiT-Ti/4", image_size=8, batch_size=64, lr=1e-3, ema_decay=0.995, max_steps=1000)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.digits_quality import train_classifier  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.captions import DIGIT_WORDS  # noqa: E402
-from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 
 
 def encoders(folder: Path) -> tuple[str, str]:

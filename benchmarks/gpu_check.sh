@@ -31,7 +31,7 @@ timeout "${SAMPLING_S:-30}" python3 benchmarks/sample_throughput.py --model DiT-
   --out "$OUT/sampling.md" 2>&1 | grep -v Warning | tail -14
 
 stamp "kernel benchmark"
-timeout "${KERNELS_S:-40}" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -30
+timeout "${KERNELS_S:-40}" python3 benchmarks/kernel_speed.py 2>&1 | tee "$OUT/kernels.md" | tail -30
 
 stamp "optimizer offload (DiT-XL/2, batch 32)"
 timeout "${OPTIM_S:-30}" python3 benchmarks/optim_offload.py --batch_size 32 --steps 4 \

@@ -33,7 +33,7 @@ from benchmarks.digits_quality import train_classifier  # noqa: E402
 from benchmarks.flux_quality import encoders  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.captions import DIGIT_WORDS  # noqa: E402
-from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 
 OLD, NEW = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)
 # (row, adapter?, digits, target): what the table reports; a target of None is reported only

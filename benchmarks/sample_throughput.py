@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.bench_common import failure_status, fmt, free, sync  # noqa: E402
 from opendit.booster.parallelize import apply_compile  # noqa: E402
 from opendit.booster.precision import set_tf32  # noqa: E402
 from opendit.config import SampleConfig, TrainConfig  # noqa: E402

@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile import format_profile, profile_step  # noqa: E402  (benchmarks/, beside this file)
-from bench_common import failure_status, fmt, free, sync  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.step_profile import format_profile, profile_step  # noqa: E402
+from benchmarks.bench_common import failure_status, fmt, free, sync  # noqa: E402
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data import MovingDigitsDataset  # noqa: E402
-from bench_common import sample_checkpoint  # noqa: E402  (benchmarks/, beside this file)
+from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 
 
 def interior(frames, border: bool):

@@ -13,7 +13,6 @@ Tolerances:
   an optimizer that did not update, or updated other values, misses these bounds by far.
 """
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,6 @@ from opendit.training.fast_step import TrainStep
 from opendit.diffusion.objective import DiffusionObjective
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark scripts are not a package
 
 
 def test_dit_xl2_at_256px_costs_712_gflop_per_training_image():
@@ -163,7 +161,7 @@ def test_train_step_rejects_unknown_precision_and_compile_target():
 
 
 def _benchmark(tmp_path, *extra):
-    import train_throughput
+    from benchmarks import train_throughput
     out = tmp_path / "table.md"
     rows = train_throughput.main(["--model", "DiT-debug", "--image_size", "32", "--batch_size", "4",
                                   "--device", "cpu", "--warmup", "1", "--steps", "2", "--out", str(out), *extra])
@@ -207,7 +205,7 @@ def test_throughput_benchmark_profiles_one_variant(tmp_path):
 
 
 def test_profile_categories():
-    from step_profile import category
+    from benchmarks.step_profile import category
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
     assert category("triton_tem_fused_addmm_0") == "matmul"
     assert category("flash_fwd_kernel<Flash_fwd_kernel_traits<72, 128>>") == "attention"
@@ -223,6 +221,6 @@ def test_throughput_benchmark_every_variant_on_cpu(tmp_path):
     from opendit.kernels import triton_norm  # noqa: F401  (kernels must import for the kernel rows)
     torch._dynamo.reset()
     rows, table = _benchmark(tmp_path, "--compile_backend", "aot_eager")
-    import train_throughput
+    from benchmarks import train_throughput
     _check_rows(rows, table, list(train_throughput.VARIANTS))
     assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]

@@ -2,14 +2,11 @@
 steps, sampled with no cache and with TeaCache from the same noise."""
 import json
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the scripts are not a package
 
 
 def test_sample_accel_smoke(tmp_path, capsys, one_thread):
-    import sample_accel
+    from benchmarks import sample_accel
     out = tmp_path / "accel"
     [result] = sample_accel.main(["--demos", "digits", "--train_steps", "3", "--train_batch_size", "8",
                                   "--samples_per_class", "1", "--sampling_steps", "6", "--rows", "none",

@@ -9,16 +9,13 @@ other weights or other noise moves them by ~100%. `a` run twice builds the model
 scratch: on one CPU thread that is bit-identical, so its difference is exactly 0.
 """
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the scripts are not a package
 
 
 def test_sample_benchmark_cpu_smoke(tmp_path, capsys, one_thread):
-    import sample_throughput
+    from benchmarks import sample_throughput
     out = tmp_path / "sampling.md"
     rows = sample_throughput.main(["--model", "DiT-debug", "--image_size", "64", "--batch_size", "2", "--steps", "2",
                                    "--warmup_steps", "1", "--device", "cpu", "--skip_compile", "--variants", "a",
@@ -46,7 +43,7 @@ def test_sample_benchmark_compiled_variants_on_cpu(tmp_path, one_thread):
     """Every variant with its compile, through aot_eager (no inductor / C++ on the CPU) and Triton's
     interpreter: the compiled paths gpu_check.sh relies on (whole-model compile under autocast, per-block
     compile around the kernels' custom ops) must trace and sample before a GPU lease is spent on them."""
-    import sample_throughput
+    from benchmarks import sample_throughput
     rows = sample_throughput.main(["--model", "DiT-debug", "--image_size", "64", "--batch_size", "2", "--steps", "2",
                                    "--warmup_steps", "1", "--device", "cpu", "--compile_backend", "aot_eager",
                                    "--out", str(tmp_path / "sampling.md")])
@@ -59,7 +56,7 @@ def test_sample_benchmark_compiled_variants_on_cpu(tmp_path, one_thread):
 
 
 def test_sample_benchmark_rejects_bad_image_size(capsys):
-    import sample_throughput
+    from benchmarks import sample_throughput
     with pytest.raises(SystemExit):
         sample_throughput.main(["--model", "DiT-debug", "--image_size", "60", "--device", "cpu"])
     assert "--image_size 60 must be a positive multiple of 8" in capsys.readouterr().err

@@ -1,7 +1,6 @@
 """Tiled, frame-chunked and parallel VAE decoding (opendit/encoders/vae_decode.py) on tiny random VAEs: SD's and
 FLUX's AutoencoderKL layout (4 levels, 8x down) and Wan2.1's causal 3-D AutoencoderKLWan."""
 import dataclasses
-import sys
 import time
 import types
 from pathlib import Path
@@ -172,8 +171,7 @@ def test_two_ranks_decode_as_one_process():
 
 
 def test_benchmark_small_runs(capsys, one_thread):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import vae_decode_memory
+    from benchmarks import vae_decode_memory
 
     start = time.perf_counter()
     rows = vae_decode_memory.main(["--small", "--in_process"])

@@ -8,8 +8,6 @@ the small moving square drawn on it.
 import importlib.util
 import logging
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -353,8 +351,7 @@ def test_video_dataset_specs(videos):
 
 @needs_av
 def test_decode_memory_benchmark_smoke(capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the scripts are not a package
-    import video_decode_memory
+    from benchmarks import video_decode_memory
 
     result = video_decode_memory.main(["--decodes", "20", "--every", "10"])
     out = capsys.readouterr().out

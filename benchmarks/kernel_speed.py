@@ -1,7 +1,7 @@
 """Fused Triton kernels vs their PyTorch reference vs torch.compile(reference), on one GPU.
 
-    python benchmarks/kernels.py                 # DiT-XL/2 sizes: x [256, 256, 1152] bf16
-    python benchmarks/kernels.py --only rope rms --no-compile
+    python benchmarks/kernel_speed.py                 # DiT-XL/2 sizes: x [256, 256, 1152] bf16
+    python benchmarks/kernel_speed.py --only rope rms --no-compile
 
 For each kernel and mode (fwd, fwd+bwd) it prints the median time (triton.testing.do_bench),
 the bandwidth computed from the minimal bytes the op must move (each activation read or written
@@ -105,7 +105,7 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU; none found, nothing measured.")
+        print("benchmarks/kernel_speed.py needs a CUDA GPU; none found, nothing measured.")
         return 0
     import triton.testing
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
