@@ -24,7 +24,7 @@ case "$RECIPE" in
   digits)
     MODEL=${MODEL:-flux-debug}
     ENC=${ENC:-outputs/flux_demo_encoders}
-    [ -f "$ENC/t5/config.json" ] || python -m opendit.encoders.tiny_t5 "$ENC/t5"
+    [ -f "$ENC/t5/config.json" ] || python -m opendit.families.flux.tiny_t5 "$ENC/t5"
     [ -f "$ENC/clip/config.json" ] || python -m opendit.encoders.tiny_clip "$ENC/clip" --words digits
     set -- --model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --t5 "$ENC/t5" --clip "$ENC/clip" \
       --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
@@ -41,7 +41,7 @@ case "$RECIPE" in
     LORA_STEPS=${LORA_STEPS:-600}
     BATCH=${BATCH:-64}
     RANK=${RANK:-8}
-    [ -f "$ENC/t5/config.json" ] || python -m opendit.encoders.tiny_t5 "$ENC/t5"
+    [ -f "$ENC/t5/config.json" ] || python -m opendit.families.flux.tiny_t5 "$ENC/t5"
     [ -f "$ENC/clip/config.json" ] || python -m opendit.encoders.tiny_clip "$ENC/clip" --words digits
     common=(--model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --t5 "$ENC/t5" --clip "$ENC/clip"
             --batch_size "$BATCH" --ema_decay 0.995 --num_workers 0)

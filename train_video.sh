@@ -16,7 +16,7 @@ case "$RECIPE" in
   wan_digits)
     MODEL=${MODEL:-Wan-debug}
     ENC=${ENC:-outputs/wan_demo_umt5}
-    [ -f "$ENC/config.json" ] || python -m opendit.encoders.tiny_umt5 "$ENC"
+    [ -f "$ENC/config.json" ] || python -m opendit.families.wan.tiny_umt5 "$ENC"
     set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 3 --frame_interval 4 --vae none \
       --umt5 "$ENC" --batch_size 32 --lr 2e-3 --ema_decay 0.995 --max_steps 5000 --ckpt_every 2500 --log_every 250 \
       --sample_every 1000 --num_workers 0 "$@" ;;

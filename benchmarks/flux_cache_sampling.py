@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit.diffusion.flow import euler_sample, flux_schedule  # noqa: E402
 from opendit.families import FAMILIES  # noqa: E402
-from opendit.families.flux import flux_inputs  # noqa: E402
-from opendit.models.flux import pack_latents  # noqa: E402
+from opendit.families.flux.family import flux_inputs  # noqa: E402
+from opendit.families.flux.model import pack_latents  # noqa: E402
 from opendit.models.step_cache import make_step_cache  # noqa: E402
 
 

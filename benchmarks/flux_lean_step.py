@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
-from opendit.models.flux import FLUX_CONFIGS  # noqa: E402
+from opendit.families.flux.model import FLUX_CONFIGS  # noqa: E402
 
 LEAN = dict(mixed_precision="bf16", master_weights="bf16_exact", optimizer_offload=True, optimizer_state_dtype="u16",
             fused_backward=True, grad_checkpoint=1, ema_decay=0.0)

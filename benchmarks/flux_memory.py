@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opendit import config as cfglib  # noqa: E402
 from opendit.families import family_of  # noqa: E402
 from opendit.lora.run import adapt_model  # noqa: E402
-from opendit.models.flux import FLUX_CONFIGS  # noqa: E402
+from opendit.families.flux.model import FLUX_CONFIGS  # noqa: E402
 from opendit.plan.account import Run, account  # noqa: E402
 from opendit.plan.planner import Options  # noqa: E402
 from opendit.plan.report import build_run  # noqa: E402

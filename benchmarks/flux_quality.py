@@ -27,7 +27,7 @@ from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 def encoders(folder: Path) -> tuple[str, str]:
     """Tiny random T5 and CLIP over the demo's words (what train_flux.sh's digits recipe makes)."""
     from opendit.encoders.tiny_clip import save_tiny_clip
-    from opendit.encoders.tiny_t5 import save_tiny_t5
+    from opendit.families.flux.tiny_t5 import save_tiny_t5
 
     t5, clip = folder / "t5", folder / "clip"
     if not (t5 / "config.json").is_file():

@@ -51,7 +51,7 @@ def run(cfg, steps: int, cuda: bool) -> dict:
 def cpu_demo(a) -> str:
     from opendit.checkpoint import export_weights, load_weights
     from opendit.encoders.tiny_clip import save_tiny_clip
-    from opendit.encoders.tiny_t5 import save_tiny_t5
+    from opendit.families.flux.tiny_t5 import save_tiny_t5
 
     work = Path(a.work)
     if not (work / "t5" / "config.json").is_file():

@@ -28,7 +28,7 @@ from opendit.plan.account import optimizer_bytes  # noqa: E402
 # ---- error table -------------------------------------------------------------------------------
 def train_small_dit(steps, seed=0):
     """Adam states after `steps` of eps-prediction on a DiT (depth 4, width 256) over 16x16x4 latents."""
-    from opendit.models.dit import DiT
+    from opendit.families.dit.model import DiT
     torch.manual_seed(seed)
     model = DiT(input_size=16, patch_size=2, in_channels=4, hidden_size=256, depth=4, num_heads=4, num_classes=10)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -100,7 +100,7 @@ def dit_xl2_params():
 
 
 def flux_dev_params():
-    from opendit.models.flux import FLUX_CONFIGS, Flux
+    from opendit.families.flux.model import FLUX_CONFIGS, Flux
     with torch.device("meta"):
         model = Flux(**FLUX_CONFIGS["flux-dev"])  # the official release's keys and shapes
     return [p.shape for p in model.parameters()]

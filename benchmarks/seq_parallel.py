@@ -32,9 +32,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from opendit.booster.precision import DTYPES  # noqa: E402
-from opendit.models.latte import Latte  # noqa: E402
+from opendit.families.video.latte import Latte  # noqa: E402
 from opendit.models.layers import Attention  # noqa: E402
-from opendit.models.vdit import VDiT  # noqa: E402
+from opendit.families.video.vdit import VDiT  # noqa: E402
 from opendit.parallel import (HEAD_KINDS, CommCounter, SequenceParallel, comm_bytes_per_layer,  # noqa: E402
                               default_sp_kind, dsp_comm_bytes_per_block, gather_comm_bytes)
 

@@ -18,7 +18,7 @@ Variants (keys for --variants):
                --enable_flashattn / bf16 weights + fp32 master (replaces autocast) / per-block compile
 Each variant builds a fresh model, trains `--warmup` steps (compilation happens here; its time is the
 "warmup s" column), then `--steps` timed steps on one fixed batch of synthetic latents (no VAE, no data
-loading). Training FLOPs count 3 x 2 x forward MACs (opendit.families.dit); MFU is against a bf16 matmul measured
+loading). Training FLOPs count 3 x 2 x forward MACs (opendit.families.dit.family); MFU is against a bf16 matmul measured
 in the same run. An OOM or any other failure becomes a row, not a crash; with --time_budget, variants
 that would start after the budget are listed as skipped. The table is rewritten to --out after every row.
 """
@@ -38,7 +38,7 @@ from benchmarks.bench_common import failure_status, fmt, free, sync  # noqa: E40
 from opendit import perf  # noqa: E402
 from opendit.kernels import kernel_status  # noqa: E402
 from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
-from opendit.families.dit import DIT_MODELS, dit_train_flops_per_image  # noqa: E402
+from opendit.families.dit.family import DIT_MODELS, dit_train_flops_per_image  # noqa: E402
 from opendit.families import build_model  # noqa: E402
 from opendit.training.fast_step import TrainStep  # noqa: E402
 from opendit.diffusion.objective import DiffusionObjective  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode  # noqa: E402
 from opendit.encoders.vae_decode import DecodeOptions  # noqa: E402
-from opendit.encoders.wan_vae import wan_decode  # noqa: E402
+from opendit.families.wan.vae import wan_decode  # noqa: E402
 
 # black-forest-labs/FLUX.1-dev vae/config.json (diffusers' AutoencoderKL): 16 latent channels, no quant convs
 FLUX_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,

@@ -132,7 +132,7 @@ def directions_agree(clips: np.ndarray, prompts: list[str], travel: float) -> np
 
 
 def tiny_umt5(outputs: str) -> str:
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
 
     folder = Path(outputs) / "tiny_umt5"
     return str(folder) if (folder / "config.json").is_file() else save_tiny_umt5(folder, max_length=16)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.flux_lean_step import LEAN, time_lean_steps  # noqa: E402
 from benchmarks.wan_memory import GB, WanPlan  # noqa: E402
 from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
-from opendit.models.wan import WAN_CONFIGS  # noqa: E402
+from opendit.families.wan.model import WAN_CONFIGS  # noqa: E402
 
 
 def write_synthetic_cache(folder: Path, model: str, num_frames: int, height: int, width: int, count: int) -> list:

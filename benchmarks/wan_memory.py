@@ -68,8 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendit.config import TrainConfig  # noqa: E402
 from opendit.families import family_of  # noqa: E402
-from opendit.models import wan as wan_module  # noqa: E402
-from opendit.models.wan import WAN_CONFIGS, WanModel  # noqa: E402
+from opendit.families.wan import model as wan_module  # noqa: E402
+from opendit.families.wan.model import WAN_CONFIGS, WanModel  # noqa: E402
 from opendit.plan.account import offload_working_set, optimizer_bytes  # noqa: E402
 from opendit.plan.measure import _flash_like  # noqa: E402
 

@@ -21,7 +21,7 @@ from tests.test_train import ROOT, run_trainer, tiny_cfg
 
 def _dit_and_inputs():
     """A 2-block DiT and a guided batch: x [4, 4, 8, 8] = [cond half; its copy], t [4], y [4] (labels; null 10)."""
-    from opendit.models.dit import DiT
+    from opendit.families.dit.model import DiT
 
     torch.manual_seed(0)
     model = DiT(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=2, num_heads=4,
@@ -131,7 +131,7 @@ def test_flux_cfg_parallel_samples_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_wan_cfg_parallel_samples_equal_one_process(tmp_path):
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
     from tests.test_wan_family import wan_cfg
 
     run_trainer(wan_cfg(tmp_path, save_tiny_umt5(tmp_path / "umt5", max_length=16), max_steps=1))

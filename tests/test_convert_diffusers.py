@@ -15,8 +15,8 @@ from diffusers.models.embeddings import get_timestep_embedding
 from opendit.checkpoint import load_weights
 from opendit.families import get_family
 from opendit.models import layers
-from opendit.models.convert_diffusers import dit_from_diffusers, dit_to_diffusers, load_diffusers_dit
-from opendit.models.dit import DiT
+from opendit.families.dit.weights import dit_from_diffusers, dit_to_diffusers, load_diffusers_dit
+from opendit.families.dit.model import DiT
 
 # fp32 on both sides; the same ops in the same order give (here) identical results, 1e-5 leaves room for an
 # attention backend that sums in another order. The outputs are O(1) (adaLN and final layer re-initialised).

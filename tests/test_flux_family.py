@@ -16,7 +16,7 @@ def tiny_text_encoders(root, words="digits"):
     """(T5 folder, CLIP folder) under root: tiny random encoders with word-level tokenizers over `words` (the
     captioned digits' words, or "all")."""
     from opendit.encoders.tiny_clip import save_tiny_clip
-    from opendit.encoders.tiny_t5 import save_tiny_t5
+    from opendit.families.flux.tiny_t5 import save_tiny_t5
 
     return save_tiny_t5(root / "t5", max_length=16), save_tiny_clip(root / "clip", words=words)
 
@@ -122,8 +122,8 @@ def test_lean_options_run_flux_and_resume_exactly(tmp_path, encoders, kw):
 
 
 def test_flux_dev_flops_per_sample_from_its_layers():
-    from opendit.models.flux import FLUX_CONFIGS, Flux
-    from opendit.families.flux import flux_forward_macs
+    from opendit.families.flux.model import FLUX_CONFIGS, Flux
+    from opendit.families.flux.family import flux_forward_macs
 
     with torch.device("meta"):
         model = Flux(**FLUX_CONFIGS["flux-dev"])

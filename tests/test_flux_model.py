@@ -1,4 +1,4 @@
-"""FLUX.1 transformer (opendit.models.flux) and its diffusers conversion.
+"""FLUX.1 transformer (opendit.families.flux.model) and its diffusers conversion.
 
 - the state_dict equals the official flux1-dev / flux1-schnell releases key by key (tests/data/*.tsv, copied from
   the released safetensors headers), built on the meta device;
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from opendit import kernels
 from opendit.families.base import DiffusionModel, check_model_contract
-from opendit.models.convert_flux_diffusers import flux_config_from_diffusers, flux_from_diffusers, flux_to_diffusers
-from opendit.models.flux import (FLUX_CONFIGS, Flux, flux_timestep_embedding, image_ids, pack_latents, rope_freqs,
-                                 text_ids, unpack_latents)
+from opendit.families.flux.weights import flux_config_from_diffusers, flux_from_diffusers, flux_to_diffusers
+from opendit.families.flux.model import (FLUX_CONFIGS, Flux, flux_timestep_embedding, image_ids, pack_latents,
+                                         rope_freqs, text_ids, unpack_latents)
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, KINDS, OUT_TOL
 

@@ -23,9 +23,9 @@ from opendit.lora import (Adapter, add_lora, attach_adapters, linear_names, load
 from opendit.lora.__main__ import main as lora_main
 from opendit.lora.formats import METADATA_KEY, read_file
 from opendit.lora.run import apply_lora_files, family_module_map, parse_lora_spec
-from opendit.models.convert_flux_diffusers import flux_config_from_diffusers, flux_from_diffusers
-from opendit.models.dit import DiT
-from opendit.models.flux import Flux
+from opendit.families.flux.weights import flux_config_from_diffusers, flux_from_diffusers
+from opendit.families.dit.model import DiT
+from opendit.families.flux.model import Flux
 from tests.test_flux_model import TINY as FLUX_TINY
 from tests.test_flux_model import _peer as flux_peer
 from tests.test_flux_model import flux_inputs, tiny_flux

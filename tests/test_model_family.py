@@ -76,7 +76,7 @@ def test_every_family_model_meets_the_contract(name, tmp_path):
     from torch.utils.data import default_collate
 
     from opendit.booster.parallelize import iter_blocks
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
     from tests.test_flux_family import tiny_text_encoders
 
     family = FAMILIES[name]
@@ -114,7 +114,7 @@ def test_model_contract_check_names_what_is_missing():
 
 def test_shared_layers_import_without_dit():
     code = ("import sys, opendit.models.layers, opendit.models.blocks, opendit.models.pos_embed, opendit.parallel; "
-            "bad = [m for m in sys.modules if m in ('opendit.models.dit', 'opendit.families')]; print(bad)")
+            "bad = [m for m in sys.modules if m in ('opendit.families.dit.model', 'opendit.families')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -129,7 +129,7 @@ def test_booster_wraps_the_blocks_a_family_declares(tmp_path):
 
 def test_an_official_dit_pt_is_named_and_sized_from_its_shapes(tmp_path):
     """DiT-XL-2-512x512.pt needs no --image_size: the model, classes, sigma and size come from the shapes."""
-    from opendit.families.dit import DiTFamily
+    from opendit.families.dit.family import DiTFamily
     from opendit.families import build_model
 
     model = build_model("DiT-S/4", input_size=64, num_classes=1000)

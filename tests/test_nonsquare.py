@@ -13,12 +13,12 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.diffusion.objective import DiffusionObjective
 from opendit.families import family_of
-from opendit.families.flux import FLUX_MODELS, FlowObjective
-from opendit.families.wan import WAN_MODELS, WanEncoders, WanFlowObjective
-from opendit.models.dit import DiT
-from opendit.models.latte import Latte
+from opendit.families.flux.family import FLUX_MODELS, FlowObjective
+from opendit.families.wan.family import WAN_MODELS, WanEncoders, WanFlowObjective
+from opendit.families.dit.model import DiT
+from opendit.families.video.latte import Latte
 from opendit.models.pos_embed import sincos_1d, sincos_2d
-from opendit.models.vdit import VDiT
+from opendit.families.video.vdit import VDiT
 from tests.distributed import run_distributed
 from tests.test_train import ROOT, tiny_cfg
 from tests.test_video_models import _randomize

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opendit import perf
 from opendit.families import build_model
-from opendit.families.dit import dit_forward_macs, dit_train_flops_per_image
+from opendit.families.dit.family import dit_forward_macs, dit_train_flops_per_image
 from opendit.training.fast_step import TrainStep
 from opendit.diffusion.objective import DiffusionObjective
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from opendit.models.dit import DiT
+from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
 from opendit.parallel import comm_bytes_per_layer, default_sp_kind, padded_len, validate_sp
 

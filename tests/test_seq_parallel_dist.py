@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from opendit.models.dit import DiT
+from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
 from opendit.parallel import CommCounter, SequenceParallel, broadcast_from_first
 from tests.distributed import run_distributed

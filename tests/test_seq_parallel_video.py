@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from opendit.models.latte import Latte
-from opendit.models.vdit import VDiT
+from opendit.families.video.latte import Latte
+from opendit.families.video.vdit import VDiT
 from opendit.parallel import (CommCounter, comm_bytes_per_layer, dsp_comm_bytes_per_block, gather_comm_bytes,
                               validate_sp)
 from tests.distributed import run_distributed

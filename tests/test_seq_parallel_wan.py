@@ -1,4 +1,4 @@
-"""Sequence parallelism of the Wan2.1 transformer (opendit.models.wan) on spawned gloo groups of 2 and 4 ranks.
+"""Sequence parallelism of the Wan2.1 transformer (opendit.families.wan.model) on spawned gloo groups of 2 and 4 ranks.
 
 The tiny random model of test_wan_model.py on 27 video tokens (a 3x3x3 patch grid: divisible by neither 2 nor 4,
 so the last rank's chunk is padded) gives the unsplit output and gradients, for FastSeq and Ulysses, with and

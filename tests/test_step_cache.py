@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from opendit import config as cfglib
 from opendit.families import family_of
-from opendit.models.dit import DiT
-from opendit.models.flux import image_ids, pack_latents, text_ids, unpack_latents
-from opendit.models.latte import Latte
+from opendit.families.dit.model import DiT
+from opendit.families.flux.model import image_ids, pack_latents, text_ids, unpack_latents
+from opendit.families.video.latte import Latte
 from opendit.models.step_cache import (BlockLoop, FirstBlockCache, PyramidAttentionBroadcast, TeaCache, make_step_cache,
                                        relative_l1)
-from opendit.models.vdit import VDiT
+from opendit.families.video.vdit import VDiT
 from opendit.training.preview import Previewer
 from tests.distributed import run_distributed
 from tests.test_flux_model import tiny_flux

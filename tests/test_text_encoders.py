@@ -11,7 +11,7 @@ from opendit.data import DIGIT_CAPTION_WORDS
 from opendit.encoders.text import (CLIPTextEncoder, T5TextEncoder, load_t5_encoder, load_text_encoder, t5_encoder_dim,
                                    text_encoder_dim)
 from opendit.encoders.tiny_clip import DEMO_WORDS, demo_words, save_tiny_clip
-from opendit.encoders.tiny_t5 import save_tiny_t5
+from opendit.families.flux.tiny_t5 import save_tiny_t5
 from opendit.encoders.vae import (FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode, encode, scale_latents, unscale_latents,
                                   vae_scale_shift)
 
@@ -143,7 +143,7 @@ def test_tiny_encoder_vocabularies_and_command_line(tmp_path):
         demo_words("digit")
     # what train_flux.sh runs: a tiny T5 (and CLIP) over the captioned digits' words
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "opendit.encoders.tiny_t5", str(tmp_path / "t5"), "--clip",
+    run = subprocess.run([sys.executable, "-m", "opendit.families.flux.tiny_t5", str(tmp_path / "t5"), "--clip",
                           str(tmp_path / "clip")], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     t5 = load_t5_encoder(str(tmp_path / "t5"), "cpu", 8, torch.float32)

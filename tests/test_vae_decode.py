@@ -13,7 +13,7 @@ import torch.distributed as dist
 from opendit.encoders.vae import decode, decode_frames
 from opendit.encoders.vae_decode import (DecodeOptions, _blend, _decode_tile, check_tile_size, tile_grid,
                                          tiling)
-from opendit.encoders.wan_vae import wan_decode
+from opendit.families.wan.vae import wan_decode
 from opendit.inference import with_vae_decode
 from tests.distributed import run_distributed
 
@@ -184,7 +184,7 @@ def test_benchmark_small_runs(capsys, one_thread):
 @pytest.mark.slow
 def test_sample_py_parallel_decode_writes_what_each_rank_decoding_all_does(tmp_path):
     """Two sequence-parallel ranks share one Wan clip; --parallel_decode splits its 9 tiles between them."""
-    from opendit.encoders.wan_vae import save_tiny_wan_vae
+    from opendit.families.wan.vae import save_tiny_wan_vae
     from tests.test_video_family import cli
     from tests.test_wan_family import tiny_wan_pipeline
 

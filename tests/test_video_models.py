@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from opendit.families.video import video_forward_macs, video_train_flops_per_sample
+from opendit.families.video.family import video_forward_macs, video_train_flops_per_sample
 from opendit.families import check_model_contract
-from opendit.models.latte import Latte
+from opendit.families.video.latte import Latte
 from opendit.models.pos_embed import sincos_1d, sincos_2d
-from opendit.models.vdit import VDiT
+from opendit.families.video.vdit import VDiT
 
 TINY = dict(hidden_size=32, num_heads=4, depth=4)
 

@@ -11,9 +11,9 @@ import torch
 from opendit.booster.plugins import shard_frozen
 from opendit.data.moving_digits import MovingDigitsDataset
 from opendit.encoders.text import UMT5TextEncoder, load_t5_encoder, load_umt5_encoder, umt5_encoder_dim
-from opendit.encoders.tiny_t5 import save_tiny_t5
-from opendit.encoders.tiny_umt5 import save_tiny_umt5
-from opendit.encoders.wan_vae import (is_wan_vae, load_wan_vae, save_tiny_wan_vae, wan_decode, wan_latent_shape,
+from opendit.families.flux.tiny_t5 import save_tiny_t5
+from opendit.families.wan.tiny_umt5 import save_tiny_umt5
+from opendit.families.wan.vae import (is_wan_vae, load_wan_vae, save_tiny_wan_vae, wan_decode, wan_latent_shape,
                                       wan_posterior, wan_vae_config)
 
 CAPTIONS = ["the digit 3 moving up and left", "the digit 7 moving right", "the  digit 0\nmoving down", ""]
@@ -106,7 +106,7 @@ def test_umt5_pipeline_layout_and_command_line(wan_pipeline_dir, umt5_dir, tmp_p
     torch.testing.assert_close(load_umt5_encoder(wan_pipeline_dir, "cpu", 16)(CAPTIONS),
                                load_umt5_encoder(umt5_dir, "cpu", 16)(CAPTIONS), rtol=0, atol=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "opendit.encoders.tiny_umt5", str(tmp_path / "wan"), "--pipeline"],
+    run = subprocess.run([sys.executable, "-m", "opendit.families.wan.tiny_umt5", str(tmp_path / "wan"), "--pipeline"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert sorted(os.listdir(tmp_path / "wan")) == ["text_encoder", "tokenizer"]

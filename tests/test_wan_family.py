@@ -19,14 +19,14 @@ RUN = "000-Wan-debug"
 
 @pytest.fixture(scope="module")
 def umt5(tmp_path_factory):
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
 
     return save_tiny_umt5(tmp_path_factory.mktemp("wan_encoders") / "umt5", max_length=16)
 
 
 @pytest.fixture(scope="module")
 def wan_vae(tmp_path_factory):
-    from opendit.encoders.wan_vae import save_tiny_wan_vae
+    from opendit.families.wan.vae import save_tiny_wan_vae
 
     return save_tiny_wan_vae(tmp_path_factory.mktemp("wan_vae") / "vae")
 
@@ -143,8 +143,8 @@ def test_lean_options_run_wan_and_resume_exactly(tmp_path, umt5, kw):
 
 
 def test_flops_per_sample_from_its_layers():
-    from opendit.families.wan import wan_forward_macs
-    from opendit.models.wan import WAN_CONFIGS, WanModel
+    from opendit.families.wan.family import wan_forward_macs
+    from opendit.families.wan.model import WAN_CONFIGS, WanModel
 
     with torch.device("meta"):
         model = WanModel(**WAN_CONFIGS["Wan2.1-T2V-1.3B"])
@@ -214,9 +214,9 @@ def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
 
     from diffusers import WanTransformer3DModel
 
-    from opendit.encoders.tiny_umt5 import save_tiny_umt5
-    from opendit.models.convert_wan_diffusers import diffusers_config, wan_to_diffusers
-    from opendit.models.wan import WAN_CONFIGS, WanModel
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.weights import diffusers_config, wan_to_diffusers
+    from opendit.families.wan.model import WAN_CONFIGS, WanModel
 
     torch.manual_seed(0)
     ours = WanModel(**WAN_CONFIGS["Wan-debug"])
@@ -262,7 +262,7 @@ def test_an_official_wan_folder_samples_once_its_encoders_are_named(tmp_path, um
 
     from safetensors.torch import save_file
 
-    from opendit.models.wan import WAN_CONFIGS, WanModel
+    from opendit.families.wan.model import WAN_CONFIGS, WanModel
     from tests.test_train import ROOT
 
     folder = tmp_path / "Wan2.1-T2V-debug"

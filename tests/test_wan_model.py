@@ -1,4 +1,4 @@
-"""Wan2.1 text-to-video transformer (opendit.models.wan), its weights files and its diffusers conversion.
+"""Wan2.1 text-to-video transformer (opendit.families.wan.model), its weights files and its diffusers conversion.
 
 - the state_dict equals the official Wan2.1-T2V-1.3B / -14B releases key by key, in order (tests/data/*.tsv, from
   the released safetensors headers), built on the meta device;
@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from opendit import kernels
 from opendit.checkpoint import load_into_meta_model
 from opendit.families.base import DiffusionModel, check_model_contract
-from opendit.models.convert_wan_diffusers import (diffusers_config, diffusers_to_wan, load_diffusers_transformer,
+from opendit.families.wan.weights import (diffusers_config, diffusers_to_wan, load_diffusers_transformer,
                                                   wan_config_from_diffusers, wan_to_diffusers)
-from opendit.models.wan import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
 from tests.wan_reference import reference_forward
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

@@ -1,5 +1,5 @@
 """An independent transcription of the official Wan2.1 WanModel forward (wan/modules/model.py, t2v), used ONLY as
-the parity reference of opendit.models.wan: plain functions over a state_dict, per-sample loops, float64 RoPE
+the parity reference of opendit.families.wan.model: plain functions over a state_dict, per-sample loops, float64 RoPE
 through complex numbers, captions zero-padded to text_len, padded video keys masked with an explicit mask in
 plain torch math (the official flash_attention's k_lens)."""
 import math

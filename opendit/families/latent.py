@@ -2,7 +2,7 @@
 objective: the latent geometry (image size, VAE downsampling, patch size), settings taken from a latent cache,
 data built from the family's dataset specs, decoding samples to uint8 images, and the image half of
 preprocess.py's cache (the VAE posterior's mean and std). The objective, the sampler and the conditioning are
-the subclass's: Gaussian diffusion (opendit.families.gaussian) or FLUX's rectified flow (opendit.families.flux).
+the subclass's: Gaussian diffusion (opendit.families.gaussian) or FLUX's rectified flow (opendit.families.flux.family).
 """
 import dataclasses
 import os

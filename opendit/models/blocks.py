@@ -10,6 +10,10 @@ from opendit.models.layers import Attention, Mlp
 from opendit.models.step_cache import BlockLoop
 from opendit.parallel import SequenceParallel
 
+# (depth, hidden, heads) by size name: the DiT paper's four, plus Ti (DeiT-Tiny widths) for CPU demos. The video
+# DiTs (VDiT, Latte) use the same widths; Latte's depth counts its spatial and temporal blocks together.
+DIT_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+
 # Layers applied once per sample (to the condition vector c [B, D] or a pooled text embedding) rather than to every
 # token, by the names the DiT-style models (DiT, VDiT, Latte) give them; FLOP counts take one row for these.
 PER_SAMPLE_LAYERS = ("t_embedder", "adaLN_modulation", "text_embedder")

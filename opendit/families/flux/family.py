@@ -28,8 +28,8 @@ from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.models.convert_flux_diffusers import flux_to_diffusers
-from opendit.models.flux import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
+from opendit.families.flux.weights import flux_to_diffusers
+from opendit.families.flux.model import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator

@@ -20,7 +20,7 @@ from opendit.models.blocks import AdaLNZeroBlock, FinalLayer
 from opendit.models.layers import PatchEmbed
 from opendit.models.pos_embed import sincos_2d, sincos_temporal
 from opendit.models.step_cache import BlockLoop, run_blocks
-from opendit.models.vdit import VideoDiTBase
+from opendit.families.video.vdit import VideoDiTBase
 from opendit.parallel.dsp import DynamicSequenceParallel
 
 

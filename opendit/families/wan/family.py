@@ -28,12 +28,12 @@ from opendit.diffusion.sampling import progress_interval
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
 from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype,
                                    load_umt5_encoder, umt5_encoder_dim)
-from opendit.encoders.wan_vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
+from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
 from opendit.families.base import MemoryProbe, ModelSpec, prompt_conditions, preview_prompts
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.writers import VideoWriter
-from opendit.models.convert_wan_diffusers import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
-from opendit.models.wan import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.families.wan.weights import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
+from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator

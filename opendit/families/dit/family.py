@@ -17,9 +17,9 @@ from opendit.checkpoint import load_weights
 from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
 from opendit.families.base import ModelSpec, match_registry
 from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
-from opendit.models.blocks import is_per_sample_layer
-from opendit.models.convert_diffusers import is_diffusers_dir, is_diffusers_dit_dir, load_diffusers_dit
-from opendit.models.dit import DIT_SIZES, DiT
+from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
+from opendit.families.dit.weights import is_diffusers_dir, is_diffusers_dit_dir, load_diffusers_dit
+from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
 from opendit.perf import matmul_macs
 

@@ -2,7 +2,7 @@
 demo use in place of T5-XXL (nothing can be downloaded there). Like tiny_clip, its embeddings carry no
 pretrained meaning, but each caption gets a fixed, distinct token sequence, which is all conditioning needs.
 
-    python -m opendit.encoders.tiny_t5 outputs/tiny_t5 --clip outputs/tiny_clip
+    python -m opendit.families.flux.tiny_t5 outputs/tiny_t5 --clip outputs/tiny_clip
     # then: train.py --model flux-debug --dataset captioned_digits --t5 outputs/tiny_t5 --clip outputs/tiny_clip
 
 The tokenizer follows T5's conventions: <pad> = 0, </s> = 1 (appended to every caption, no BOS), <unk> = 2.
@@ -11,26 +11,8 @@ import argparse
 
 import torch
 
-from opendit.encoders.tiny_clip import WORD_SETS, demo_words, save_tiny_clip
-
-SPECIAL = ["<pad>", "</s>", "<unk>"]  # T5's ids 0, 1, 2
-
-
-def t5_word_tokenizer(words, max_length: int = 512):
-    """A word-level fast tokenizer with T5's conventions (<pad> = 0, </s> = 1 appended to every caption, <unk> = 2)
-    over `words` (a list, or a demo's by name as tiny_clip.demo_words takes it; lower-cased; words and punctuation
-    split; unknown words map to <unk>), model_max_length max_length. Its vocabulary size is len(tokenizer)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(SPECIAL + sorted({str(w).lower() for w in demo_words(words)} - set(SPECIAL)))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
-                                   model_max_length=max_length)
-
+from opendit.encoders.tiny_clip import WORD_SETS, save_tiny_clip
+from opendit.encoders.word_tokenizer import t5_word_tokenizer
 
 def save_tiny_t5(folder, words="digits", d_model: int = 32, layers: int = 2, max_length: int = 512,
                  seed: int = 0) -> str:

@@ -28,11 +28,10 @@ from opendit.families.gaussian import (GaussianDiffusionFamily, GaussianSampleOp
                                       official_shapes)
 from opendit.families.latent import check_multiple, is_none, latent_geometry
 from opendit.families.writers import VideoWriter
-from opendit.models.blocks import is_per_sample_layer
-from opendit.models.dit import DIT_SIZES
-from opendit.models.latte import Latte
+from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
+from opendit.families.video.latte import Latte
 from opendit.models.layers import Attention
-from opendit.models.vdit import VDiT
+from opendit.families.video.vdit import VDiT
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -152,7 +151,7 @@ def video_forward_macs(model: nn.Module) -> int:
     seqs = getattr(model, "attention_sequences", None)
     if seqs is None:
         raise ValueError(f"{type(model).__name__} has no attention_sequences(); video_forward_macs counts VDiT and "
-                         f"Latte (opendit.models.vdit / latte); image DiT: opendit.families.dit.dit_forward_macs")
+                         f"Latte (opendit.families.video); image DiT: opendit.families.dit.family.dit_forward_macs")
     seqs = seqs()
     tokens = seqs[0][0] * seqs[0][1]
     attn = [m for m in model.modules() if isinstance(m, Attention)]

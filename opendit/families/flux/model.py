@@ -401,7 +401,7 @@ class Flux(nn.Module):
     def _check_inputs(self, img, img_ids, txt, txt_ids, guidance):
         if img.ndim != 3 or txt.ndim != 3:
             raise ValueError(f"img and txt must be token sequences [B, L, C]; got {tuple(img.shape)} and "
-                             f"{tuple(txt.shape)} (pack latents with opendit.models.flux.pack_latents)")
+                             f"{tuple(txt.shape)} (pack latents with opendit.families.flux.model.pack_latents)")
         for name, ids, x in (("img_ids", img_ids, img), ("txt_ids", txt_ids, txt)):
             if ids.shape[-2:] != (x.shape[1], len(self.axes_dim)) or ids.shape[:-2] not in ((), (1,), (x.shape[0],)):
                 raise ValueError(f"{name} has shape {tuple(ids.shape)}; expected [B, {x.shape[1]}, "

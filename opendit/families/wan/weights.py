@@ -1,6 +1,6 @@
 """Wan2.1 weights to/from diffusers' `WanTransformer3DModel` (the transformer/ folder of Wan-AI/Wan2.1-T2V-*-Diffusers).
 
-Our keys are the official release's (opendit.models.wan.WanModel). The two layouts hold the same tensors, renamed:
+Our keys are the official release's (model.WanModel). The two layouts hold the same tensors, renamed:
 
     ours (official)                  diffusers
     patch_embedding                  patch_embedding
@@ -25,7 +25,7 @@ import json
 import os
 import re
 
-from opendit.models.wan import load_wan_weights
+from opendit.families.wan.model import load_wan_weights
 
 _TOP = [("patch_embedding", "patch_embedding"),
         ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),

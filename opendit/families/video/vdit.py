@@ -4,7 +4,7 @@ Input x [B, C, T, H, W] (the Conv3d layout), t [B]; output [B, C_out, T, H, W]. 
 (Conv3d, patch (pt, ph, pw)), fixed sin-cos positions split into a 2-D spatial table [1, S, D] and a 1-D
 temporal one [1, T', D] (S = H'·W', T' = T/pt), summed per token as OpenDiT does. The stored tables are those of
 input_size; a clip of another size (any T, H, W divisible by the patch) gets the sin-cos tables of its own grid.
-`VideoDiTBase` holds what Latte (opendit.models.latte) shares: conditioning, classifier-free guidance, weight init.
+`VideoDiTBase` holds what Latte (latte.py) shares: conditioning, classifier-free guidance, weight init.
 """
 import math
 from functools import partial

@@ -12,11 +12,6 @@ from opendit.models.layers import LabelEmbedder, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import GridTables, sincos_2d
 from opendit.models.step_cache import run_blocks
 
-# (depth, hidden, heads) by size name: the DiT paper's four, plus Ti (DeiT-Tiny widths) for CPU demos. The video
-# DiTs (VDiT, Latte) use the same widths; Latte's depth counts its spatial and temporal blocks together.
-DIT_SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
-
-
 class DiT(SwitchesMixin, nn.Module):
     # Attribute names of the nn.ModuleLists holding repeated blocks; the booster wraps these one by one.
     _block_lists = ("blocks",)

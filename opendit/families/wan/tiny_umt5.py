@@ -2,8 +2,8 @@
 demo use in place of umt5-xxl (nothing can be downloaded there). Like tiny_t5, its embeddings carry no pretrained
 meaning, but each caption gets a fixed, distinct token sequence, which is all conditioning needs.
 
-    python -m opendit.encoders.tiny_umt5 outputs/tiny_umt5              # then: --umt5 outputs/tiny_umt5
-    python -m opendit.encoders.tiny_umt5 outputs/tiny_wan --pipeline    # text_encoder/ + tokenizer/, as Wan's
+    python -m opendit.families.wan.tiny_umt5 outputs/tiny_umt5              # then: --umt5 outputs/tiny_umt5
+    python -m opendit.families.wan.tiny_umt5 outputs/tiny_wan --pipeline    # text_encoder/ + tokenizer/, as Wan's
 
 The tokenizer follows T5's conventions as umt5-xxl's does: <pad> = 0, </s> = 1 (appended, no BOS), <unk> = 2.
 """
@@ -13,14 +13,14 @@ import os
 import torch
 
 from opendit.encoders.tiny_clip import WORD_SETS
-from opendit.encoders.tiny_t5 import t5_word_tokenizer
+from opendit.encoders.word_tokenizer import t5_word_tokenizer
 
 
 def save_tiny_umt5(folder, words="moving_digits", d_model: int = 32, layers: int = 2, max_length: int = 512,
                    seed: int = 0, pipeline: bool = False) -> str:
     """Write a UMT5EncoderModel (d_model wide, `layers` deep, 2 heads, gated-GELU, a relative position bias per
     layer as UMT5 has, random weights from `seed`) and a word-level tokenizer over `words` (see
-    tiny_t5.t5_word_tokenizer; default "moving_digits", the moving digits demo's) to `folder`; pipeline=True lays
+    word_tokenizer.t5_word_tokenizer; default "moving_digits", the moving digits demo's) to `folder`; pipeline=True lays
     them out as a diffusers Wan pipeline does (folder/text_encoder/ + folder/tokenizer/). Returns the folder."""
     from transformers import UMT5Config, UMT5EncoderModel
 

@@ -1,6 +1,6 @@
 """FLUX.1 weights to/from diffusers' `FluxTransformer2DModel` (the transformer/ folder of black-forest-labs/FLUX.1-*).
 
-Our keys are the official release's (opendit.models.flux.Flux). The two layouts hold the same numbers:
+Our keys are the official release's (opendit.families.flux.model.Flux). The two layouts hold the same numbers:
 
     ours (official)                            diffusers
     img_in / txt_in                            x_embedder / context_embedder

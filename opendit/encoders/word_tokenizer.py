@@ -1,0 +1,21 @@
+"""Word-level tokenizers for the tiny random text encoders of demos and tests (no tokenizer can be downloaded
+there): every caption gets a fixed, distinct token sequence."""
+from opendit.encoders.tiny_clip import demo_words
+
+SPECIAL = ["<pad>", "</s>", "<unk>"]  # T5's ids 0, 1, 2
+
+
+def t5_word_tokenizer(words, max_length: int = 512):
+    """A word-level fast tokenizer with T5's conventions (<pad> = 0, </s> = 1 appended to every caption, <unk> = 2)
+    over `words` (a list, or a demo's by name as tiny_clip.demo_words takes it; lower-cased; words and punctuation
+    split; unknown words map to <unk>), model_max_length max_length. Its vocabulary size is len(tokenizer)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + sorted({str(w).lower() for w in demo_words(words)} - set(SPECIAL)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
+                                   model_max_length=max_length)
