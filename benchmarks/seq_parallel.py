@@ -33,10 +33,19 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from opendit.booster.precision import DTYPES  # noqa: E402
 from opendit.families.video.latte import Latte  # noqa: E402
-from opendit.models.layers import Attention  # noqa: E402
 from opendit.families.video.vdit import VDiT  # noqa: E402
-from opendit.parallel import (HEAD_KINDS, CommCounter, SequenceParallel, comm_bytes_per_layer,  # noqa: E402
-                              default_sp_kind, dsp_comm_bytes_per_block, gather_comm_bytes)
+from opendit.kernels import set_kernels
+from opendit.models.layers import Attention  # noqa: E402
+from opendit.parallel import (  # noqa: E402
+    HEAD_KINDS,
+    CommCounter,
+    SequenceParallel,
+    comm_bytes_per_layer,
+    default_sp_kind,
+    dsp_comm_bytes_per_block,
+    enable_sequence_parallel,
+    gather_comm_bytes,
+)
 
 VIDEO = (("VDiT", VDiT, "fastseq"), ("VDiT", VDiT, "ulysses"), ("Latte", Latte, "dsp"))
 VIDEO_DEPTH, XL_DEPTH = 2, 28  # blocks run here; blocks of the XL models the last column scales to
@@ -100,9 +109,9 @@ def video_bytes(cfg, device, name, cls, kind):
     model = cls(input_size=(T, L, L), patch_size=(1, 2, 2) if cls is VDiT else 2, hidden_size=cfg["hidden"],
                 depth=VIDEO_DEPTH, num_heads=cfg["heads"], class_dropout_prob=0.0, num_classes=10)
     model = model.to(device, DTYPES[cfg["dtype"]])
-    model.set_kernels(attn_backend=cfg["backend"])
+    set_kernels(model, attn_backend=cfg["backend"])
     counter = CommCounter()
-    model.enable_sequence_parallel(dist.group.WORLD, kind, counter)
+    enable_sequence_parallel(model, dist.group.WORLD, kind, counter)
     x = torch.randn(cfg["batch"], 4, T, L, L, device=device, dtype=DTYPES[cfg["dtype"]])
     t = torch.randint(0, 1000, (cfg["batch"],), device=device)
     model(x, t, y=torch.zeros_like(t)).float().sum().backward()
@@ -135,7 +144,7 @@ def print_video_table(args, video, elem):
             if (fwd + bwd, gather) != (blocks, gather_analytic):
                 sys.exit(f"{name} {kind} P={P}: counted {fwd + bwd} + {gather} bytes, analytic {blocks} + "
                          f"{gather_analytic}: the counter or the formula is wrong")
-            kinds = {"VDiT": VDiT, "Latte": Latte}[name].sp_kinds
+            kinds = {"VDiT": VDiT, "Latte": Latte}[name].parallel_plan.kinds
             mark = "yes" if kind == default_sp_kind(P, kinds) else ""
             total = XL_DEPTH // VIDEO_DEPTH * blocks + gather
             print(f"| {P} | {name} | {kind} | {fwd / 2**20:.2f} | {bwd / 2**20:.2f} | {blocks / 2**20:.2f} | "

@@ -33,15 +33,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from benchmarks.step_profile import format_profile, profile_step  # noqa: E402
 from benchmarks.bench_common import failure_status, fmt, free, sync  # noqa: E402
+from benchmarks.step_profile import format_profile, profile_step  # noqa: E402
 from opendit import perf  # noqa: E402
-from opendit.kernels import kernel_status  # noqa: E402
-from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
-from opendit.families.dit.family import DIT_MODELS, dit_train_flops_per_image  # noqa: E402
-from opendit.families import build_model  # noqa: E402
-from opendit.training.fast_step import TrainStep  # noqa: E402
 from opendit.diffusion.objective import DiffusionObjective  # noqa: E402
+from opendit.families import build_model  # noqa: E402
+from opendit.families.dit.family import DIT_MODELS, dit_train_flops_per_image  # noqa: E402
+from opendit.kernels import (
+    kernel_status,  # noqa: E402
+    set_kernels,
+)
+from opendit.kernels.attention import resolve_attention_backend  # noqa: E402
+from opendit.training.fast_step import TrainStep  # noqa: E402
 
 # key -> (label, TrainStep / model settings); run in this order (most important first, for --time_budget)
 _C0 = dict(precision="autocast_bf16")
@@ -104,7 +107,7 @@ def run_variant(spec, args, device, latent, batch, profile_title=None):
     with torch.device(device):
         model = build_model(args.model, input_size=latent, in_channels=4, num_classes=args.num_classes)
     backend = resolve_attention_backend(spec.get("flash", False), device)
-    model.set_kernels(modulate=spec.get("modulate", False), layernorm=spec.get("layernorm", False),
+    set_kernels(model, modulate=spec.get("modulate", False), layernorm=spec.get("layernorm", False),
                       attn_backend=backend)
     model.train()
     step = TrainStep(model, DiffusionObjective(), precision=spec["precision"], lr=args.lr,

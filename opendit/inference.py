@@ -25,7 +25,8 @@ from opendit.families import FAMILIES, LoadedModel, check_model_contract, family
 from opendit.kernels import configure_kernels
 from opendit.lora.run import apply_lora_files, parse_lora_spec
 from opendit.models.step_cache import THRESHOLD_CACHES, StepCache, check_supported, make_step_cache
-from opendit.parallel import enable_cfg_parallel, sampling_mesh, validate_cfg_parallel, validate_sp
+from opendit.parallel import (enable_cfg_parallel, enable_sequence_parallel, sampling_mesh, validate_cfg_parallel,
+                              validate_sp)
 
 logger = logging.getLogger("opendit")
 
@@ -240,7 +241,7 @@ def sampling_groups(loaded, sample_cfg, conditions: list, info) -> tuple[int, in
                            kinds=spec.sp_kinds)
     mesh = sampling_mesh(info.device, info.world_size, sp_size, cfg_size)
     if sp_size > 1:
-        loaded.model.enable_sequence_parallel(mesh["sp"].get_group(), kind)
+        enable_sequence_parallel(loaded.model, mesh["sp"].get_group(), kind)
     if cfg_size > 1:
         enable_cfg_parallel(loaded.model, mesh["cfg"].get_group())
     writes = mesh["sp"].get_local_rank() == 0 and mesh["cfg"].get_local_rank() == 0

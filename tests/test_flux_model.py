@@ -20,9 +20,19 @@ import torch.distributed as dist
 
 from opendit import kernels
 from opendit.families.base import DiffusionModel, check_model_contract
+from opendit.families.flux.model import (
+    FLUX_CONFIGS,
+    Flux,
+    flux_timestep_embedding,
+    image_ids,
+    pack_latents,
+    rope_freqs,
+    text_ids,
+    unpack_latents,
+)
 from opendit.families.flux.weights import flux_config_from_diffusers, flux_from_diffusers, flux_to_diffusers
-from opendit.families.flux.model import (FLUX_CONFIGS, Flux, flux_timestep_embedding, image_ids, pack_latents,
-                                         rope_freqs, text_ids, unpack_latents)
+from opendit.kernels import set_kernels
+from opendit.parallel import enable_sequence_parallel
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, KINDS, OUT_TOL
 
@@ -158,7 +168,7 @@ def test_kernels_and_checkpointed_blocks_equal_plain_path(one_thread):
     assert kernels._why_not_kernel(ref_out) is None, "the Triton path would not run (TRITON_INTERPRET / triton)"
     for modulate, layernorm in ((True, False), (False, True)):
         model = tiny_flux()
-        model.set_kernels(modulate=modulate, layernorm=layernorm, attn_backend="math")
+        set_kernels(model, modulate=modulate, layernorm=layernorm, attn_backend="math")
         out, grads = _run(model, inp, target)
         tol = dict(atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(out, ref_out, **tol)
@@ -250,7 +260,7 @@ def _sp_case(group, kind, checkpoint):
 
     model, inp, target = tiny_flux(), flux_inputs(), torch.randn(B, 9, 8)
     ref = _run(copy.deepcopy(model), inp, target)
-    model.enable_sequence_parallel(group, kind)
+    enable_sequence_parallel(model, group, kind)
     if checkpoint:  # the recompute re-runs the collectives and reads the shared segment lengths again
         for name in model._block_lists:
             blocks = getattr(model, name)

@@ -13,6 +13,8 @@ import tests.text_family  # noqa: F401  (registers the "shapes" family)
 import tests.toy_family  # noqa: F401  (registers the "toy" family)
 from opendit import config as cfglib
 from opendit.families import FAMILIES, ModelFamily, ModelSpec, check_model_contract, family_of, register_family
+from opendit.kernels import set_kernels
+from opendit.parallel import enable_sequence_parallel
 from tests.test_train import ROOT, run_trainer, tiny_cfg
 
 sys.path.insert(0, str(ROOT))
@@ -99,16 +101,16 @@ def test_every_family_model_meets_the_contract(name, tmp_path):
     fixed = dict(t_frac=torch.tensor([0.3, 0.7]), noise=noise)
     with torch.no_grad():
         sdpa = objective.losses(model, x, cond, **fixed)[0]
-        model.set_kernels(attn_backend="math")
+        set_kernels(model, attn_backend="math")
         math = objective.losses(model, x, cond, **fixed)[0]
-        model.set_kernels()
+        set_kernels(model)
     torch.testing.assert_close(math, sdpa, rtol=1e-5, atol=1e-6)
     assert sdpa.shape == (2,) and torch.isfinite(sdpa).all()
-    assert model.enable_sequence_parallel(None) is None
+    assert enable_sequence_parallel(model, None) is None
 
 
 def test_model_contract_check_names_what_is_missing():
-    with pytest.raises(TypeError, match=r"missing \['set_kernels', 'enable_sequence_parallel', '_block_lists'\]"):
+    with pytest.raises(TypeError, match=r"missing \['_block_lists', 'parallel_plan'\]"):
         check_model_contract(torch.nn.Linear(2, 2), "Linear")
 
 
@@ -129,8 +131,8 @@ def test_booster_wraps_the_blocks_a_family_declares(tmp_path):
 
 def test_an_official_dit_pt_is_named_and_sized_from_its_shapes(tmp_path):
     """DiT-XL-2-512x512.pt needs no --image_size: the model, classes, sigma and size come from the shapes."""
-    from opendit.families.dit.family import DiTFamily
     from opendit.families import build_model
+    from opendit.families.dit.family import DiTFamily
 
     model = build_model("DiT-S/4", input_size=64, num_classes=1000)
     torch.save(model.state_dict(), tmp_path / "DiT-S-4-512x512.pt")

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.diffusion.objective import DiffusionObjective
 from opendit.families import family_of
-from opendit.families.flux.family import FLUX_MODELS, FlowObjective
-from opendit.families.wan.family import WAN_MODELS, WanEncoders, WanFlowObjective
 from opendit.families.dit.model import DiT
+from opendit.families.flux.family import FLUX_MODELS, FlowObjective
 from opendit.families.video.latte import Latte
-from opendit.models.pos_embed import sincos_1d, sincos_2d
 from opendit.families.video.vdit import VDiT
+from opendit.families.wan.family import WAN_MODELS, WanEncoders, WanFlowObjective
+from opendit.models.pos_embed import sincos_1d, sincos_2d
+from opendit.parallel import enable_sequence_parallel
 from tests.distributed import run_distributed
 from tests.test_train import ROOT, tiny_cfg
 from tests.test_video_models import _randomize
@@ -159,7 +160,7 @@ def _sp_worker(rank, world_size):
         for split in (False, True):
             model = _dit().train()
             if split:
-                model.enable_sequence_parallel(dist.group.WORLD, kind)
+                enable_sequence_parallel(model, dist.group.WORLD, kind)
             out = model(x, t, y)
             ((out - target) ** 2).mean().backward()
             grad = model.x_embedder.proj.weight.grad.clone()

@@ -20,10 +20,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from opendit import perf
+from opendit.diffusion.objective import DiffusionObjective
 from opendit.families import build_model
 from opendit.families.dit.family import dit_forward_macs, dit_train_flops_per_image
+from opendit.kernels import set_kernels
 from opendit.training.fast_step import TrainStep
-from opendit.diffusion.objective import DiffusionObjective
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def test_dit_xl2_at_256px_costs_712_gflop_per_training_image():
 def test_forward_macs_equal_torch_flop_counter(name, input_size, learn_sigma):
     """Math attention runs as two matmuls, so FlopCounterMode sees every matmul we count."""
     model = build_model(name, input_size=input_size, num_classes=10, learn_sigma=learn_sigma)
-    model.set_kernels(attn_backend="math")
+    set_kernels(model, attn_backend="math")
     B = 3
     x, t, y = torch.randn(B, 4, input_size, input_size), torch.randint(0, 1000, (B,)), torch.randint(0, 10, (B,))
     with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -83,7 +84,7 @@ def test_matmul_peak_measures_on_cpu():
 def _train(precision, steps=6, compile=None, kernels=False, attn="sdpa", batch=4):
     torch.manual_seed(0)
     model = build_model("DiT-debug", input_size=8, num_classes=10)
-    model.set_kernels(modulate=kernels, layernorm=kernels, attn_backend=attn)
+    set_kernels(model, modulate=kernels, layernorm=kernels, attn_backend=attn)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     step = TrainStep(model, DiffusionObjective(), precision=precision, lr=3e-3, compile=compile,
                      compile_backend="aot_eager")
@@ -139,7 +140,7 @@ def test_fast_step_on_cuda_inductor_kernels_flash_tracks_eager():
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = build_model("DiT-S/2", input_size=16, num_classes=10)
-        model.set_kernels(modulate=True, layernorm=True, attn_backend=resolve_attention_backend(True, "cuda"))
+        set_kernels(model, modulate=True, layernorm=True, attn_backend=resolve_attention_backend(True, "cuda"))
         step = TrainStep(model, DiffusionObjective(), precision="bf16_master", lr=1e-3, compile=compile)
         g = torch.Generator("cuda").manual_seed(1)
         x = torch.randn(8, 4, 16, 16, device="cuda", generator=g)

@@ -9,7 +9,7 @@ import torch
 
 from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
-from opendit.parallel import comm_bytes_per_layer, default_sp_kind, padded_len, validate_sp
+from opendit.parallel import comm_bytes_per_layer, default_sp_kind, enable_sequence_parallel, padded_len, validate_sp
 
 
 def test_validate_sp_resolves_auto_and_keeps_explicit_kinds():
@@ -65,7 +65,35 @@ def test_dit_without_sp_is_untouched_and_can_be_turned_off():
     model = DiT(input_size=8, hidden_size=32, depth=1, num_heads=4, num_classes=10).eval()
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([1, 500]), torch.tensor([0, 9])
     before = model(x, t, y)
-    assert model.enable_sequence_parallel(None) is None
+    assert enable_sequence_parallel(model, None) is None
     assert all(m.sequence_parallel is None for m in model.modules() if isinstance(m, Attention))
     assert torch.equal(model(x, t, y), before)
     assert torch.equal(copy.deepcopy(model)(x, t, y), before)
+
+
+def test_docs_plan_table_matches_what_models_declare():
+    """docs/sequence_parallel.md's table of plans is the models' own `parallel_plan`; no model codes a switch."""
+    from pathlib import Path
+
+    from opendit.families.flux.model import Flux
+    from opendit.families.video.latte import Latte
+    from opendit.families.video.vdit import VDiT
+    from opendit.families.wan.model import WanModel
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sequence_parallel.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and line.count("|") == 6}
+    for name, cls in (("DiT", DiT), ("VDiT", VDiT), ("Latte", Latte), ("FLUX", Flux), ("Wan2.1", WanModel)):
+        plan = cls.parallel_plan
+        kinds, _, split, replicated = rows[name]
+        assert kinds == ", ".join(plan.kinds) and split == ", ".join(plan.split), name
+        assert replicated == ", ".join(plan.replicated), name
+        assert not {"enable_sequence_parallel", "set_kernels"} & set(vars(cls)), f"{name} hand-writes a switch"
+
+
+def test_a_model_without_a_plan_names_the_fix():
+    with pytest.raises(TypeError, match="declares no parallel_plan.*--sequence_parallel_size 1"):
+        enable_sequence_parallel(torch.nn.Linear(2, 2), None)
+    model = DiT(input_size=8, hidden_size=32, depth=1, num_heads=4, num_classes=10)
+    with pytest.raises(ValueError, match="type 'dsp' does not apply; use 'fastseq' or 'ulysses' or 'auto'"):
+        enable_sequence_parallel(model, None, "dsp")

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
-from opendit.parallel import CommCounter, SequenceParallel, broadcast_from_first
+from opendit.parallel import CommCounter, SequenceParallel, broadcast_from_first, enable_sequence_parallel
 from tests.distributed import run_distributed
 
 KINDS = ("fastseq", "ulysses")
@@ -71,7 +71,7 @@ def _dit_case(group, input_size, kind, checkpoint=False):
     ref_out = ref_model(x, t, y)
     ((ref_out - target) ** 2).mean().backward()
 
-    model.enable_sequence_parallel(group, kind)
+    enable_sequence_parallel(model, group, kind)
     if checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -142,7 +142,7 @@ def _train(plugin, kind, steps):
     booster = Booster(build_plugin(plugin, sp_size=2))
     model = _random_dit(6)  # 9 tokens: padded under SP = 2
     ref = copy.deepcopy(model)
-    model.enable_sequence_parallel(booster.sp_group, kind)
+    enable_sequence_parallel(model, booster.sp_group, kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(_dataset(), batch_size=4, shuffle=True)  # global batch 4: 2 samples per DP rank
     model, opt, loader, _ = booster.boost(model, opt, dataloader=loader, data_seed=0)

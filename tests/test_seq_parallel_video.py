@@ -18,8 +18,14 @@ import torch.distributed as dist
 
 from opendit.families.video.latte import Latte
 from opendit.families.video.vdit import VDiT
-from opendit.parallel import (CommCounter, comm_bytes_per_layer, dsp_comm_bytes_per_block, gather_comm_bytes,
-                              validate_sp)
+from opendit.parallel import (
+    CommCounter,
+    comm_bytes_per_layer,
+    dsp_comm_bytes_per_block,
+    enable_sequence_parallel,
+    gather_comm_bytes,
+    validate_sp,
+)
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, OUT_TOL
 
@@ -52,7 +58,7 @@ def _case(group, cls, kind, input_size, text=False):
     ((ref_out - target) ** 2).mean().backward()
 
     counter = CommCounter()
-    model.enable_sequence_parallel(group, kind, counter)
+    enable_sequence_parallel(model, group, kind, counter)
     out = model(x, t, **cond)
     ((out - target) ** 2).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -71,7 +77,7 @@ def _worker(rank, world_size):
         res["Latte", "dsp", geo] = _case(group, Latte, "dsp", size)
     res["Latte", "dsp", "3x9 text"] = _case(group, Latte, "auto", GEOMETRIES["3x9"], text=True)
     try:
-        VDiT(input_size=(2, 2, 2), hidden_size=8, depth=1, num_heads=4).enable_sequence_parallel(group, "dsp")
+        enable_sequence_parallel(VDiT(input_size=(2, 2, 2), hidden_size=8, depth=1, num_heads=4), group, "dsp")
     except ValueError as e:
         res["vdit dsp error"] = str(e)
     return res
@@ -107,16 +113,16 @@ def test_video_sp_equals_the_unsplit_model(P):
 
 # ------------------------------------------------------------------------------------ planning, one process
 def test_validate_sp_takes_the_models_kinds():
-    assert validate_sp(8, 4, "auto", 6, kinds=Latte.sp_kinds) == "dsp"  # DSP: no head-count rule (6 heads, P=4)
-    assert validate_sp(8, 8, "dsp", 16, kinds=Latte.sp_kinds) == "dsp"
-    assert validate_sp(8, 2, "auto", 16, kinds=VDiT.sp_kinds) == "fastseq"
-    assert validate_sp(8, 4, "auto", 16, kinds=VDiT.sp_kinds) == "ulysses"
+    assert validate_sp(8, 4, "auto", 6, kinds=Latte.parallel_plan.kinds) == "dsp"  # DSP: no head rule (6 heads, P=4)
+    assert validate_sp(8, 8, "dsp", 16, kinds=Latte.parallel_plan.kinds) == "dsp"
+    assert validate_sp(8, 2, "auto", 16, kinds=VDiT.parallel_plan.kinds) == "fastseq"
+    assert validate_sp(8, 4, "auto", 16, kinds=VDiT.parallel_plan.kinds) == "ulysses"
     with pytest.raises(ValueError, match="dsp does not apply to this model; it supports \\('fastseq', 'ulysses'"):
         validate_sp(8, 2, "dsp", 16)  # the default kinds: a model that splits one token sequence
     with pytest.raises(ValueError, match="ulysses does not apply to this model; it supports \\('dsp', 'auto'\\)"):
-        validate_sp(8, 2, "ulysses", 16, kinds=Latte.sp_kinds)
+        validate_sp(8, 2, "ulysses", 16, kinds=Latte.parallel_plan.kinds)
     with pytest.raises(ValueError, match="does not divide the world size"):
-        validate_sp(6, 4, "dsp", 16, kinds=Latte.sp_kinds)
+        validate_sp(6, 4, "dsp", 16, kinds=Latte.parallel_plan.kinds)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from opendit.parallel import CommCounter, comm_bytes_per_layer, padded_len
+from opendit.parallel import CommCounter, comm_bytes_per_layer, enable_sequence_parallel, padded_len
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, KINDS, OUT_TOL
 from tests.test_wan_model import TINY, tiny_wan
@@ -44,7 +44,7 @@ def _case(group, kind, checkpoint):
     model, inp = tiny_wan(), _inputs()
     ref = _run(copy.deepcopy(model), *inp)
     counter = CommCounter()
-    model.enable_sequence_parallel(group, kind, counter)
+    enable_sequence_parallel(model, group, kind, counter)
     if checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -63,7 +63,7 @@ def _list_case(group, kind):
     context = [torch.randn(5, TINY["text_dim"], generator=g), torch.randn(8, TINY["text_dim"], generator=g)]
     t = torch.tensor([3.0, 900.0])
     ref = model(x, t, context, seq_len=N)
-    model.enable_sequence_parallel(group, kind)
+    enable_sequence_parallel(model, group, kind)
     out = model(x, t, context, seq_len=N)
     with pytest.raises(ValueError, match="padded samples"):
         model(x, t, context, seq_len=N + 1)

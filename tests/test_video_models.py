@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from opendit.families.video.family import video_forward_macs, video_train_flops_per_sample
 from opendit.families import check_model_contract
+from opendit.families.video.family import video_forward_macs, video_train_flops_per_sample
 from opendit.families.video.latte import Latte
-from opendit.models.pos_embed import sincos_1d, sincos_2d
 from opendit.families.video.vdit import VDiT
+from opendit.kernels import set_kernels
+from opendit.models.pos_embed import sincos_1d, sincos_2d
+from opendit.parallel import enable_sequence_parallel
 
 TINY = dict(hidden_size=32, num_heads=4, depth=4)
 
@@ -195,7 +197,7 @@ def test_geometry_errors_name_the_fix():
     with pytest.raises(ValueError, match="must be even"):
         Latte(input_size=(3, 4, 4), **{**TINY, "depth": 3})
     with pytest.raises(ValueError, match="use 'dsp' or 'auto'"):
-        Latte(input_size=(3, 4, 4), **TINY).enable_sequence_parallel(None, "ulysses")
+        enable_sequence_parallel(Latte(input_size=(3, 4, 4), **TINY), None, "ulysses")
 
 
 # ------------------------------------------------------------------------------------------------- FLOPs
@@ -219,7 +221,7 @@ def test_video_flops_equal_torch_flop_counter(cls, geo):
     """FlopCounterMode sees every matmul (math attention). Latte runs the adaLN modulation per frame (spatial
     blocks, final layer) and per position (temporal blocks), which the model-FLOP count takes once per clip."""
     model = cls(**geo, num_classes=10, **TINY)
-    model.set_kernels(attn_backend="math")
+    set_kernels(model, attn_backend="math")
     B, D, T, S = 2, 32, 3, 4
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randn(B, 4, 3, 4, 4), torch.tensor([1, 2]), y=torch.tensor([0, 1]))

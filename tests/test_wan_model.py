@@ -18,9 +18,15 @@ from safetensors.torch import save_file
 from opendit import kernels
 from opendit.checkpoint import load_into_meta_model
 from opendit.families.base import DiffusionModel, check_model_contract
-from opendit.families.wan.weights import (diffusers_config, diffusers_to_wan, load_diffusers_transformer,
-                                                  wan_config_from_diffusers, wan_to_diffusers)
 from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.families.wan.weights import (
+    diffusers_config,
+    diffusers_to_wan,
+    load_diffusers_transformer,
+    wan_config_from_diffusers,
+    wan_to_diffusers,
+)
+from opendit.kernels import set_kernels
 from tests.wan_reference import reference_forward
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -131,7 +137,7 @@ def test_tensor_forward_equals_list_forward_and_backends_agree():
     for seq_len in (18, 23):  # no padding, and padding masked out
         listed = model(list(x), t, context, seq_len=seq_len)
         torch.testing.assert_close(torch.stack(listed), batched, atol=ATOL, rtol=ATOL)
-    model.set_kernels(attn_backend="math")
+    set_kernels(model, attn_backend="math")
     torch.testing.assert_close(model(x, t, padded(context, 8)), batched, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(torch.stack(model(list(x), t, context, seq_len=23)), batched, atol=ATOL, rtol=ATOL)
 
@@ -152,7 +158,7 @@ def test_kernels_equal_plain_path(one_thread):
     assert kernels._why_not_kernel(ref_out) is None, "the Triton path would not run (TRITON_INTERPRET / triton)"
     for modulate, layernorm in ((True, False), (False, True)):
         model = tiny_wan()
-        model.set_kernels(modulate=modulate, layernorm=layernorm, attn_backend="math")
+        set_kernels(model, modulate=modulate, layernorm=layernorm, attn_backend="math")
         out, grads = _run(model, x, t, context, target)
         tol = dict(atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(out, ref_out, **tol)

@@ -22,9 +22,10 @@ from opendit.families import ModelSpec, register_family
 from opendit.families.base import preview_prompts
 from opendit.families.gaussian import GaussianDiffusionFamily, GaussianTrainOptions
 from opendit.families.latent import is_none
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
-from opendit.models.layers import PatchEmbed, TimestepEmbedder
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer
+from opendit.models.layers import Attention, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import sincos_2d
+from opendit.parallel import ParallelPlan
 from opendit.options import opt
 
 CAPTIONS = ("a vertical bar on the left", "a vertical bar on the right", "a horizontal bar at the top",
@@ -79,9 +80,11 @@ class WordEncoder:
                             else torch.zeros(self.dim) for c in captions])
 
 
-class TextDiT(SwitchesMixin, nn.Module):
+class TextDiT(nn.Module):
     """x [B, C, S, S], t [B], text [B, text_dim] -> [B, 2C or C, S, S]; the text vector joins the timestep's."""
     _block_lists = ("blocks",)
+    parallel_plan = ParallelPlan(attention=(Attention,), split=("image tokens",), replicated=("condition",))
+    sequence_parallel = None
 
     def __init__(self, input_size, in_channels, depth, hidden_size, num_heads, patch_size, text_dim,
                  learn_sigma=True):

@@ -10,14 +10,17 @@ import torch.nn as nn
 from opendit.families import ModelSpec, register_family
 from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
 from opendit.families.gaussian import GaussianDiffusionFamily
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin
-from opendit.models.layers import PatchEmbed, TimestepEmbedder
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer
+from opendit.models.layers import Attention, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import sincos_2d
+from opendit.parallel import ParallelPlan
 
 
-class ToyDiT(SwitchesMixin, nn.Module):
+class ToyDiT(nn.Module):
     """x [B, C, S, S], t [B] -> [B, 2C or C, S, S]; no labels."""
     _block_lists = ("layers",)  # not DiT's "blocks": the booster must follow the declaration
+    parallel_plan = ParallelPlan(attention=(Attention,), split=("image tokens",), replicated=("condition",))
+    sequence_parallel = None
 
     def __init__(self, input_size, in_channels, depth, hidden_size, num_heads, patch_size, learn_sigma=True):
         super().__init__()

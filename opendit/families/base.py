@@ -17,7 +17,6 @@ import torch.nn as nn
 from opendit.checkpoint import load_weights
 from opendit.data import DatasetSpec, distinct_captions
 from opendit.encoders.vae_decode import DecodeOptions
-from opendit.parallel.plan import HEAD_KINDS
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,9 @@ class ModelSpec:
 
     @property
     def sp_kinds(self) -> tuple[str, ...]:
-        """The sequence-parallel methods the model implements (its class's `sp_kinds`; default FastSeq and
-        Ulysses, which every model built on opendit.models.layers.Attention gets)."""
-        return getattr(self.constructor, "sp_kinds", HEAD_KINDS)
+        """The sequence-parallel methods the model implements (its class's `parallel_plan`; none without one)."""
+        plan = getattr(self.constructor, "parallel_plan", None)
+        return () if plan is None else plan.kinds
 
 
 def match_registry(models: Mapping[str, ModelSpec], **arch) -> str | None:
@@ -66,30 +65,28 @@ class MemoryProbe:
 
 @runtime_checkable
 class DiffusionModel(Protocol):
-    """What shared code needs from a model: the booster, the kernel switches and sequence parallelism.
+    """What shared code needs from a model: declarations, no switches to write.
 
     _block_lists: names of the nn.ModuleList attributes holding repeated blocks, in forward order (FLUX:
       ("double_blocks", "single_blocks")); the booster checkpoints, compiles and shards them one by one.
-    set_kernels(modulate, layernorm, attn_backend): switch fused kernels / the attention backend ("sdpa",
-      "flash", "math"); the math is the same either way.
-    enable_sequence_parallel(group, kind): split each sample's tokens over `group` (None turns it off) with
-      `kind` ("fastseq", "ulysses", or what the model's sp_kinds list); returns the opendit.parallel hook.
-      Every rank of the group gets the same inputs and returns the whole output.
+    parallel_plan: an opendit.parallel.ParallelPlan, or None for a model whose sequence cannot be split: the
+      methods its forward implements, the attention layers that get the hook, what is split and what stays
+      whole. opendit.parallel.enable_sequence_parallel applies it; the forward reads `self.sequence_parallel`
+      (None, or the hook) to split and gather around its blocks, and every rank returns the whole output.
+    Kernel switches are declared by the layers (`kernel_switches`, see opendit.kernels.set_kernels); a model
+    built from opendit's layers has them.
 
     The forward is the family's business: each family documents what its objective and sampler call (DiT:
     forward(x, t, y) and forward_with_cfg; FLUX: the official forward(img, img_ids, txt, txt_ids, timesteps, y,
     guidance)).
     """
     _block_lists: tuple[str, ...]
-
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa") -> None: ...
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None): ...
+    parallel_plan: Any
 
 
 def check_model_contract(model: nn.Module, name: str) -> None:
     """A clear error when a family's model misses part of the DiffusionModel contract."""
-    missing = [m for m in ("set_kernels", "enable_sequence_parallel", "_block_lists") if not hasattr(model, m)]
+    missing = [m for m in ("_block_lists", "parallel_plan") if not hasattr(model, m)]
     lists = getattr(model, "_block_lists", ())
     bad = [n for n in lists if not isinstance(getattr(model, n, None), nn.ModuleList)]
     if missing or bad or not lists:

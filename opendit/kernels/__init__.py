@@ -194,13 +194,29 @@ def apply_rope(x, freqs_cos, freqs_sin, use_kernel=False):
     return reference.apply_rope(x, freqs_cos, freqs_sin)
 
 
+ATTENTION_BACKEND = "attn_backend"  # a kernel_switches source: the attention backend's name, not a flag
+
+
+def set_kernels(model, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa") -> None:
+    """Switch the fused paths of every layer of `model`; the math stays the same (tests compare both).
+
+    A layer class declares what it switches in `kernel_switches`, {attribute: source}: a tuple of flag names
+    ("modulate", "layernorm"; the attribute is True when any of them is on) or ATTENTION_BACKEND (the attribute
+    takes the backend's name: "sdpa", "flash", "math"). E.g. AdaLNNorm: {"use_modulate_kernel": ("modulate",),
+    "use_layernorm_kernel": ("layernorm",)}; an attention layer: {"attn_backend": ATTENTION_BACKEND}."""
+    flags = {"modulate": modulate, "layernorm": layernorm}
+    for m in model.modules():
+        for attr, source in getattr(type(m), "kernel_switches", {}).items():
+            setattr(m, attr, attn_backend if source == ATTENTION_BACKEND else any(flags[s] for s in source))
+
+
 def configure_kernels(model, modulate: bool = False, layernorm: bool = False, flashattn: bool = False,
                       device=None) -> None:
-    """Apply the --enable_*_kernel / --enable_flashattn flags to a model with `set_kernels`, logging the paths
+    """Apply the --enable_*_kernel / --enable_flashattn flags to a model (set_kernels), logging the paths
     that will run on `device` (entry scripts call this once at start-up)."""
     from opendit.kernels.attention import resolve_attention_backend
 
     backend = resolve_attention_backend(flashattn, device)
     if modulate or layernorm:
         kernel_status(use_kernel=True, device=device or "cuda")
-    model.set_kernels(modulate=modulate, layernorm=layernorm, attn_backend=backend)
+    set_kernels(model, modulate=modulate, layernorm=layernorm, attn_backend=backend)

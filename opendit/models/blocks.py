@@ -1,6 +1,5 @@
-"""adaLN-Zero transformer blocks shared by the DiT-style families (image DiT, video DiT), and the switches
-(fused kernels, sequence parallelism) every model built from opendit's layers gets. Parameter names match
-the official DiT release."""
+"""adaLN-Zero transformer blocks shared by the DiT-style families (image DiT, video DiT) and the DiT size table.
+Parameter names match the official DiT release."""
 from itertools import islice
 
 import torch.nn as nn
@@ -8,7 +7,6 @@ import torch.nn as nn
 from opendit import kernels
 from opendit.models.layers import Attention, Mlp
 from opendit.models.step_cache import BlockLoop
-from opendit.parallel import SequenceParallel
 
 # (depth, hidden, heads) by size name: the DiT paper's four, plus Ti (DeiT-Tiny widths) for CPU demos. The video
 # DiTs (VDiT, Latte) use the same widths; Latte's depth counts its spatial and temporal blocks together.
@@ -26,6 +24,8 @@ def is_per_sample_layer(name: str) -> bool:
 
 class AdaLNNorm(nn.Module):
     """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""
+
+    kernel_switches = {"use_modulate_kernel": ("modulate",), "use_layernorm_kernel": ("layernorm",)}
 
     def __init__(self, eps: float = 1e-6):
         super().__init__()
@@ -98,28 +98,3 @@ class FinalLayer(nn.Module):
         for layer in (self.adaLN_modulation[-1], self.linear):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
-
-
-class SwitchesMixin:
-    """`set_kernels` and `enable_sequence_parallel` (the model contract's switches) for an nn.Module built
-    from AdaLNNorm and Attention layers. The model's forward calls sp.split / sp.gather around its blocks."""
-
-    sequence_parallel = None  # the SequenceParallel hook while the sequence is split
-
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
-        """Switch the fused paths; the math stays the same (tests compare both)."""
-        for m in self.modules():
-            if isinstance(m, AdaLNNorm):
-                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
-            elif isinstance(m, Attention):
-                m.attn_backend = attn_backend
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
-        """Split every sample's tokens over the ranks of `group` ("fastseq", "ulysses" or "auto"); None turns
-        it off. Every rank of the group must get the same inputs (and noise). Returns the hook."""
-        sp = None if group is None else SequenceParallel(group, kind, counter)
-        self.sequence_parallel = sp
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.sequence_parallel = sp
-        return sp

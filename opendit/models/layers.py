@@ -4,6 +4,7 @@ import math
 import torch
 import torch.nn as nn
 
+from opendit.kernels import ATTENTION_BACKEND
 from opendit.kernels.attention import attention
 
 
@@ -106,6 +107,8 @@ class Attention(nn.Module):
     opendit.parallel.SequenceParallel: when set, x is this rank's chunk of a sequence split over ranks and the
     layer runs through its two stages (to_heads, attend) around the head-parallel middle.
     """
+
+    kernel_switches = {"attn_backend": ATTENTION_BACKEND}  # see opendit.kernels.set_kernels
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
         super().__init__()

@@ -53,6 +53,9 @@ class SequenceParallel:
                              f"such as Latte, opendit.parallel.DynamicSequenceParallel)")
         self.counter = counter
         self.seq_len = None  # the unpadded length of the last sequence split(), the default of attend/gather
+        # A joint sequence's unpadded segment lengths (FLUX: (L_txt, L_img)), set by the model's forward for its
+        # attention layers; a checkpointed block's recompute reads them again during that forward's backward.
+        self.seq_lens = None
 
     def __deepcopy__(self, memo):
         # Process groups cannot be copied; a copy of the model (e.g. an EMA) shares this group and hook.

@@ -90,7 +90,7 @@ def validate_sp(world_size: int, sp_size: int, kind: str, num_heads: int, kinds=
     """Check a sequence-parallel setup before any work starts; returns the method to use.
 
     kind: one of `kinds` (the methods the model supports: ("fastseq", "ulysses") for DiT and VDiT, ("dsp",)
-    for Latte; a model class names them in `sp_kinds`) or "auto" (default_sp_kind). sp_size 1 means off.
+    for Latte; a model class names them in its `parallel_plan`) or "auto" (default_sp_kind). sp_size 1 means off.
     """
     if not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"--sequence_parallel_size must be a positive integer; got {sp_size!r}")

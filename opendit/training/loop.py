@@ -20,6 +20,7 @@ from opendit.distributed import all_reduce_mean, broadcast_object, default_num_w
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
+from opendit.parallel import enable_sequence_parallel, plan_of
 from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_module_map,
                               weights_fingerprint)
 from opendit.optim import LeanOptimizer
@@ -136,8 +137,9 @@ class Trainer:
         configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn,
                           self.dist.device)
         if self.booster.sp_group is not None:
-            model.enable_sequence_parallel(self.booster.sp_group, self.sp_kind)
-            logger.info("sequence parallel: %s over %d ranks", self.sp_kind, cfg.sequence_parallel_size)
+            enable_sequence_parallel(model, self.booster.sp_group, self.sp_kind)
+            logger.info("sequence parallel: %s over %d ranks (%s)", self.sp_kind, cfg.sequence_parallel_size,
+                        plan_of(model).describe())
         logger.info("%s (family %s): %.1fM parameters, input %s per sample", cfg.model, self.family.name,
                     sum(p.numel() for p in model.parameters()) / 1e6, "x".join(map(str, shape)))
         flops = self.family.train_flops_per_sample(model)

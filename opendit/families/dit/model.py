@@ -7,14 +7,17 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin, adaln_block_loop
-from opendit.models.layers import LabelEmbedder, PatchEmbed, TimestepEmbedder
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, adaln_block_loop
+from opendit.models.layers import Attention, LabelEmbedder, PatchEmbed, TimestepEmbedder
 from opendit.models.pos_embed import GridTables, sincos_2d
 from opendit.models.step_cache import run_blocks
+from opendit.parallel import ParallelPlan
 
-class DiT(SwitchesMixin, nn.Module):
+class DiT(nn.Module):
     # Attribute names of the nn.ModuleLists holding repeated blocks; the booster wraps these one by one.
     _block_lists = ("blocks",)
+    parallel_plan = ParallelPlan(attention=(Attention,), split=("image tokens",), replicated=("condition c",))
+    sequence_parallel = None  # the hook while tokens are split (opendit.parallel.enable_sequence_parallel)
     step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,

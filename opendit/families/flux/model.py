@@ -14,18 +14,19 @@ flux1-dev.safetensors and flux1-schnell.safetensors load with strict=True (tests
 floating input of a sharded block to the compute dtype, which would round the angles to bf16; the official code
 keeps them fp32, and so does this. Under autocast / bf16 the q/k norms and RoPE still compute in fp32.
 
-Switches (`set_kernels`): modulate=True runs the fused LayerNorm + modulation and gated-residual Triton kernels;
-layernorm=True the LayerNorm kernel (when not fused with modulation). Either switch also turns on the q/k
-RMSNorm and RoPE kernels. Attention always goes through opendit.kernels.attention (`attn_backend`).
+Kernel switches (opendit.kernels.set_kernels; each layer's `kernel_switches`): modulate=True runs the fused
+LayerNorm + modulation and gated-residual Triton kernels; layernorm=True the LayerNorm kernel (when not fused with
+modulation). Either switch also turns on the q/k RMSNorm and RoPE kernels. Attention always goes through
+opendit.kernels.attention (`attn_backend`).
 
-Sequence parallelism (`enable_sequence_parallel`): each stream's tokens are split over the P ranks
-(sp.split per stream, each padded alone). Double blocks: to_heads per stream, that stream's q/k norm, the two
-head-parallel tensors concatenated [txt padded; img padded], RoPE with the equally padded angles, attend with
-(L_txt, L_img). Single blocks keep the two segments per rank, x = [txt chunk; img chunk]: the qkv rows of
-linear1 go through to_heads once per segment (so the head-parallel layout is again [txt padded; img padded] and
-every token keeps its RoPE angle), the MLP rows of linear1 run locally on the chunk, and attend returns
-[txt chunk; img chunk] again. The image chunks are gathered after the final layer, so every rank returns the
-whole output. Weight gradients follow opendit.parallel: the group MEAN equals the unsplit gradient.
+Sequence parallelism (`parallel_plan`, applied by opendit.parallel.enable_sequence_parallel): each stream's tokens
+are split over the P ranks (sp.split per stream, each padded alone). Double blocks: to_heads per stream, that
+stream's q/k norm, the two head-parallel tensors concatenated [txt padded; img padded], RoPE with the equally padded
+angles, attend with (L_txt, L_img). Single blocks keep the two segments per rank, x = [txt chunk; img chunk]: the
+qkv rows of linear1 go through to_heads once per segment (so the head-parallel layout is again [txt padded; img
+padded] and every token keeps its RoPE angle), the MLP rows of linear1 run locally on the chunk, and attend returns
+[txt chunk; img chunk] again. The image chunks are gathered after the final layer, so every rank returns the whole
+output. Weight gradients follow opendit.parallel: the group MEAN equals the unsplit gradient.
 
 Initialisation (for training from scratch; pretrained weights replace it): xavier-uniform linears with zero
 biases, N(0, 0.02) timestep / guidance embedders, RMSNorm scales one, and adaLN-Zero: every modulation output
@@ -44,8 +45,8 @@ from opendit.models.blocks import AdaLNNorm, FinalLayer
 from opendit.models.layers import linear_weight
 from opendit.models.layers import timestep_embedding as _sinusoidal
 from opendit.models.step_cache import BlockLoop, run_blocks
-from opendit.parallel import SequenceParallel
-from opendit.parallel.plan import HEAD_KINDS, padded_len
+from opendit.parallel import ParallelPlan
+from opendit.parallel.plan import padded_len
 
 _FLUX_BASE = dict(in_channels=64, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24,
                   depth=19, depth_single_blocks=38, axes_dim=(16, 56, 56), theta=10000, qkv_bias=True)
@@ -145,6 +146,8 @@ class RMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(dim))
         self.use_kernel = False
 
+    kernel_switches = {"use_kernel": ("modulate", "layernorm")}  # see opendit.kernels.set_kernels
+
     def forward(self, x):
         return kernels.rms_norm(x, self.scale, eps=1e-6, use_kernel=self.use_kernel)
 
@@ -185,15 +188,6 @@ class Modulation(nn.Module):
         return out[:3], (out[3:] if self.is_double else None)
 
 
-class _JointSP:
-    """What the blocks of one model share under sequence parallelism: the SequenceParallel hook and the unpadded
-    (L_txt, L_img) of the current forward. Flux.forward sets seq_lens; a checkpointed block's recompute reads
-    them again during this forward's backward."""
-
-    def __init__(self, sp: SequenceParallel):
-        self.sp, self.seq_lens = sp, None
-
-
 def _to_heads(x, qkv: nn.Linear, num_heads: int, sp):
     """Tokens [B, n, D] through a fused qkv -> [3, B, h, L, Dh]: all heads of these tokens without SP, this rank's
     H/P heads over the stream's whole padded sequence with SP."""
@@ -206,15 +200,19 @@ def _to_heads(x, qkv: nn.Linear, num_heads: int, sp):
 class _Block(nn.Module):
     """Switches and the attention shared by both block kinds."""
 
+    kernel_switches = {"fused": ("modulate",), "rope_kernel": ("modulate", "layernorm"),
+                       "attn_backend": kernels.ATTENTION_BACKEND}  # fused: the gated residuals' kernel
+
     def __init__(self):
         super().__init__()
-        self.fused = False  # modulate kernel: fused gated residuals
+        self.fused = False
         self.rope_kernel = False
         self.attn_backend = "sdpa"
-        self.joint = None  # a _JointSP while sequence parallelism is on
+        self.sequence_parallel = None  # the model's hook while sequence parallelism is on
 
     def _sp(self):
-        return (None, None) if self.joint is None else (self.joint.sp, self.joint.seq_lens)
+        sp = self.sequence_parallel
+        return (None, None) if sp is None else (sp, sp.seq_lens)
 
     def _attention(self, q, k, v, pe):
         """q, k, v [B, h, L, Dh] of the joint sequence (padded segments under SP) -> [B, n, H*Dh], this rank's
@@ -323,7 +321,8 @@ class Flux(nn.Module):
     """The FLUX.1 transformer; arguments are the official FluxParams fields (out_channels None = in_channels)."""
 
     _block_lists = ("double_blocks", "single_blocks")
-    sp_kinds = HEAD_KINDS
+    parallel_plan = ParallelPlan(attention=(_Block,), split=("text tokens", "image tokens"),
+                                 replicated=("vector vec", "RoPE table (padded per stream)"))
     sequence_parallel = None  # the SequenceParallel hook while sequences are split
     step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
@@ -353,7 +352,6 @@ class Flux(nn.Module):
         self.single_blocks = nn.ModuleList([SingleStreamBlock(hidden_size, num_heads, mlp_ratio)
                                             for _ in range(depth_single_blocks)])
         self.final_layer = FinalLayer(hidden_size, 1, self.out_channels)  # the official LastLayer
-        self._joint = None
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -373,29 +371,6 @@ class Flux(nn.Module):
                 nn.init.normal_(emb.in_layer.weight, std=0.02)
                 nn.init.normal_(emb.out_layer.weight, std=0.02)
         self.final_layer.zero_init()
-
-    # -------------------------------------------------------------------------------------- switches
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
-        """modulate: fused LayerNorm + modulation and gated residuals; layernorm: the LayerNorm kernel (where not
-        fused); either one: the q/k RMSNorm and RoPE kernels too. The math stays the same (tests compare)."""
-        for m in self.modules():
-            if isinstance(m, AdaLNNorm):
-                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
-            elif isinstance(m, RMSNorm):
-                m.use_kernel = modulate or layernorm
-            elif isinstance(m, _Block):
-                m.fused, m.rope_kernel, m.attn_backend = modulate, modulate or layernorm, attn_backend
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
-        """Split the text and the image tokens of every sample over the ranks of `group` ("fastseq", "ulysses" or
-        "auto"); None turns it off. Every rank of the group must get the same inputs. Returns the hook."""
-        sp = None if group is None else SequenceParallel(group, kind, counter)
-        self.sequence_parallel = sp
-        self._joint = None if sp is None else _JointSP(sp)
-        for m in self.modules():
-            if isinstance(m, _Block):
-                m.joint = self._joint
-        return sp
 
     # --------------------------------------------------------------------------------------- forward
     def _check_inputs(self, img, img_ids, txt, txt_ids, guidance):
@@ -427,7 +402,7 @@ class Flux(nn.Module):
             pe = pe[0]  # shared by the batch: [L, Dh/2]
         sp = self.sequence_parallel
         if sp is not None:
-            self._joint.seq_lens = (n_txt, n_img)
+            sp.seq_lens = (n_txt, n_img)
             img, txt = sp.split(img), sp.split(txt)
             pe = sp.pad_full(pe, (n_txt, n_img), dim=-2)
         n = txt.shape[1]  # this rank's text tokens: the joint sequence is [txt; img]

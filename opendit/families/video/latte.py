@@ -21,13 +21,14 @@ from opendit.models.layers import PatchEmbed
 from opendit.models.pos_embed import sincos_2d, sincos_temporal
 from opendit.models.step_cache import BlockLoop, run_blocks
 from opendit.families.video.vdit import VideoDiTBase
-from opendit.parallel.dsp import DynamicSequenceParallel
+from opendit.parallel import ParallelPlan
 
 
 class Latte(VideoDiTBase):
     """blocks[2k] is spatial, blocks[2k+1] temporal; depth counts both, so it must be even (28 for XL)."""
 
-    sp_kinds = ("dsp",)  # what validate_sp(..., kinds=) accepts for this model
+    parallel_plan = ParallelPlan(kinds=("dsp",), split=("frames (spatial blocks)", "positions (temporal blocks)"),
+                                 replicated=("condition c",))
 
     def __init__(self, input_size=(16, 32, 32), patch_size=2, in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000, learn_sigma=True,
@@ -58,15 +59,6 @@ class Latte(VideoDiTBase):
         """Per attention layer, in block order: (sequences per sample, tokens per sequence). For perf.py."""
         frames, S = self.input_size[0], self.grid[0] * self.grid[1]
         return [(frames, S) if i % 2 == 0 else (S, frames) for i in range(len(self.blocks))]
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
-        """DSP over the ranks of `group` (kind "dsp" or "auto"); None turns it off. Every rank of the group must
-        get the same inputs (and noise). No head-count constraint. Returns the hook."""
-        if kind not in ("dsp", "auto"):
-            raise ValueError(f"Latte splits frames and positions (DSP), not one token sequence: sequence parallel "
-                             f"type {kind!r} does not apply; use 'dsp' or 'auto'")
-        self.sequence_parallel = None if group is None else DynamicSequenceParallel(group, counter)
-        return self.sequence_parallel
 
     def pab_attention(self):
         """(attention layer, PAB kind) of every block: spatial blocks[2k], temporal blocks[2k+1]."""

@@ -12,13 +12,14 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, SwitchesMixin, adaln_block_loop
-from opendit.models.layers import LabelEmbedder, PatchEmbed3D, TimestepEmbedder
+from opendit.models.blocks import AdaLNZeroBlock, FinalLayer, adaln_block_loop
+from opendit.models.layers import Attention, LabelEmbedder, PatchEmbed3D, TimestepEmbedder
 from opendit.models.pos_embed import GridTables, sincos_2d, sincos_temporal
 from opendit.models.step_cache import run_blocks
+from opendit.parallel import ParallelPlan
 
 
-class VideoDiTBase(SwitchesMixin, nn.Module):
+class VideoDiTBase(nn.Module):
     """What VDiT and Latte share. Conditioning c [B, D] = t_embedder(t) + one of
       - y_embedder(y): class labels [B] (num_classes > 0, text_dim None), dropped to the null class with
         probability class_dropout_prob while training (as DiT);
@@ -29,6 +30,7 @@ class VideoDiTBase(SwitchesMixin, nn.Module):
     initialize_weights()."""
 
     _block_lists = ("blocks",)
+    sequence_parallel = None  # the hook while tokens are split (opendit.parallel.enable_sequence_parallel)
     step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
     def _add_conditioning(self, input_size, patch_size, in_channels, hidden_size, num_classes, class_dropout_prob,
@@ -128,9 +130,10 @@ class VideoDiTBase(SwitchesMixin, nn.Module):
 
 
 class VDiT(VideoDiTBase):
-    """OpenDiT's VDiT. Sequence parallel: FastSeq or Ulysses over all T'·S tokens (enable_sequence_parallel)."""
+    """OpenDiT's VDiT. Sequence parallel: FastSeq or Ulysses over all T'·S tokens."""
 
-    sp_kinds = ("fastseq", "ulysses")  # what validate_sp(..., kinds=) accepts for this model
+    parallel_plan = ParallelPlan(attention=(Attention,), split=("video tokens (all frames' patches)",),
+                                 replicated=("condition c",))
 
     def __init__(self, input_size=(16, 32, 32), patch_size=(1, 2, 2), in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000, learn_sigma=True,

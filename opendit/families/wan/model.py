@@ -21,21 +21,21 @@ Precision, as released: the modulation, norms and residual stream are fp32 (the 
 gated residual), RoPE is applied in float64, and every Linear runs in its weights' dtype (or under autocast). The
 RoPE table is complex128, which FSDP's mixed-precision input cast leaves alone (it casts real floats only).
 
-Switches (`set_kernels`): modulate=True runs the fused LayerNorm + modulation (norm1, norm2, the head) and the
-gated residuals; layernorm=True the LayerNorm kernel where not fused (and in the affine cross-attention norm3);
-either switch runs the q/k RMSNorm kernel (not FastSeq's group-wide one, below). RoPE has no kernel here: the
-fp32 one would not be the official float64 math (torch.compile leaves its complex ops to eager kernels, with a
-warning). Attention goes through opendit.kernels.attention (`attn_backend`); the padding mask of the list forward
-makes "flash" fall back to SDPA for those calls.
+Kernel switches (opendit.kernels.set_kernels; each layer's `kernel_switches`): modulate=True runs the fused
+LayerNorm + modulation (norm1, norm2, the head) and the gated residuals; layernorm=True the LayerNorm kernel where
+not fused (and in the affine cross-attention norm3); either switch runs the q/k RMSNorm kernel (not FastSeq's
+group-wide one, below). RoPE has no kernel here: the fp32 one would not be the official float64 math (torch.compile
+leaves its complex ops to eager kernels, with a warning). Attention goes through opendit.kernels.attention
+(`attn_backend`); the padding mask of the list forward makes "flash" fall back to SDPA for those calls.
 
-Sequence parallelism (`enable_sequence_parallel`): the video tokens are split over the P ranks after the patch
-embedding and gathered after the head; cross-attention (local queries, the whole text) and everything else is per
-token. Self-attention: Ulysses projects q, k, v of its chunk, applies the full-width q/k RMSNorm and the RoPE of
-its chunk's positions in the sequence layout, then one all-to-all to head-parallel; FastSeq projects this rank's
-heads over the whole sequence (sp.to_heads) and normalises them with the sum of squares over all heads (each
-rank's share all-gathered, [B, L] per norm), then applies RoPE there. The list forward with padded samples is not
-supported under SP (use the tensor forward). Weight gradients follow opendit.parallel: the group MEAN equals the
-unsplit gradient.
+Sequence parallelism (`parallel_plan`, applied by opendit.parallel.enable_sequence_parallel): the video tokens are
+split over the P ranks after the patch embedding and gathered after the head; cross-attention (local queries, the
+whole text) and everything else is per token. Self-attention: Ulysses projects q, k, v of its chunk, applies the
+full-width q/k RMSNorm and the RoPE of its chunk's positions in the sequence layout, then one all-to-all to
+head-parallel; FastSeq projects this rank's heads over the whole sequence (sp.to_heads) and normalises them with the
+sum of squares over all heads (each rank's share all-gathered, [B, L] per norm), then applies RoPE there. The list
+forward with padded samples is not supported under SP (use the tensor forward). Weight gradients follow
+opendit.parallel: the group MEAN equals the unsplit gradient.
 
 Initialisation: the official init_weights (xavier-uniform linears with zero biases, the patch embedding xavier on
 its flattened weight, N(0, 0.02) text and time embeddings, a zero head) and N(0, 1/dim) modulations.
@@ -54,8 +54,7 @@ from opendit.kernels.attention import attention
 from opendit.models.blocks import AdaLNNorm
 from opendit.models.layers import linear_weight
 from opendit.models.step_cache import BlockLoop, run_blocks
-from opendit.parallel import SequenceParallel, all_to_all, gather_seq, pad_dim
-from opendit.parallel.plan import HEAD_KINDS
+from opendit.parallel import ParallelPlan, all_to_all, gather_seq, pad_dim
 
 _WAN_BASE = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, freq_dim=256, text_dim=4096,
                  out_dim=16, window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
@@ -113,6 +112,8 @@ class WanRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.use_kernel = False
 
+    kernel_switches = {"use_kernel": ("modulate", "layernorm")}  # see opendit.kernels.set_kernels
+
     def forward(self, x):
         return kernels.rms_norm(x, self.weight, self.eps, use_kernel=self.use_kernel)
 
@@ -124,6 +125,8 @@ class WanLayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, elementwise_affine=elementwise_affine)
         self.use_kernel = False
 
+    kernel_switches = {"use_kernel": ("layernorm",)}
+
     def forward(self, x):
         w, b = (None, None) if self.weight is None else (self.weight.float(), self.bias.float())
         return kernels.layer_norm(x.float(), w, b, self.eps, use_kernel=self.use_kernel).type_as(x)
@@ -131,6 +134,8 @@ class WanLayerNorm(nn.LayerNorm):
 
 class WanSelfAttention(nn.Module):
     """q, k, v, o Linear(dim, dim) with biases; norm_q / norm_k RMSNorm over all of dim, before the head split."""
+
+    kernel_switches = {"attn_backend": kernels.ATTENTION_BACKEND}
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
         super().__init__()
@@ -240,7 +245,8 @@ class WanModel(nn.Module):
     """The Wan2.1 text-to-video transformer; arguments are the official config's (WAN_CONFIGS holds the releases')."""
 
     _block_lists = ("blocks",)
-    sp_kinds = HEAD_KINDS
+    parallel_plan = ParallelPlan(attention=(WanSelfAttention,), split=("video tokens", "their RoPE angles"),
+                                 replicated=("text context", "time embedding"), heads="num_heads")
     sequence_parallel = None  # the SequenceParallel hook while tokens are split
     step_cache = None  # an opendit.models.step_cache cache while sampling with one (sample.py --cache)
 
@@ -281,31 +287,6 @@ class WanModel(nn.Module):
             if isinstance(layer, nn.Linear):
                 nn.init.normal_(layer.weight, std=0.02)
         nn.init.zeros_(self.head.head.weight)
-
-    # -------------------------------------------------------------------------------------- switches
-    def set_kernels(self, modulate: bool = False, layernorm: bool = False, attn_backend: str = "sdpa"):
-        """See the module docstring; the math stays the same (tests compare)."""
-        for m in self.modules():
-            if isinstance(m, AdaLNNorm):
-                m.use_modulate_kernel, m.use_layernorm_kernel = modulate, layernorm
-            elif isinstance(m, WanRMSNorm):
-                m.use_kernel = modulate or layernorm
-            elif isinstance(m, WanLayerNorm):
-                m.use_kernel = layernorm
-            elif isinstance(m, WanSelfAttention):
-                m.attn_backend = attn_backend
-
-    def enable_sequence_parallel(self, group, kind: str = "auto", counter=None):
-        """Split every sample's video tokens over the ranks of `group` ("fastseq", "ulysses" or "auto"); None turns
-        it off. Every rank of the group must get the same inputs. Returns the hook."""
-        sp = None if group is None else SequenceParallel(group, kind, counter)
-        if sp is not None and self.num_heads % sp.size:
-            raise ValueError(f"{self.num_heads} attention heads cannot be split over a sequence-parallel group of "
-                             f"{sp.size}; choose a group size that divides the head count")
-        self.sequence_parallel = sp
-        for block in self.blocks:
-            block.self_attn.sequence_parallel = sp
-        return sp
 
     # --------------------------------------------------------------------------------------- forward
     def forward(self, x, t, context, seq_len: int | None = None):
