@@ -46,6 +46,23 @@ def _sp_kinds():
     return [*KINDS, "auto"]
 
 
+def _by_family(field: str, lead: str):
+    """A help text: `lead`, then each registered family's default of `field` (its defaults_help)."""
+    def text():
+        return f"{lead} ({'; '.join(f.defaults_help[field] for f in FAMILIES.values() if field in f.defaults_help)})"
+    return text
+
+
+def _sp_help(lead: str):
+    """A help text: `lead`, then which methods each model class declares (its parallel_plan)."""
+    def text():
+        kinds = {}
+        for spec in all_models().values():
+            kinds.setdefault(", ".join(spec.sp_kinds) or "none", {}).setdefault(spec.constructor.__name__)
+        return f"{lead}; " + "; ".join(f"{k} ({', '.join(names)})" for k, names in kinds.items())
+    return text
+
+
 BUCKETS_HELP = ("aspect-ratio buckets instead of square crops: auto (sizes of about --bucket_area pixels, aspect "
                 "ratios 1:4 to 4:1, sides multiples of the VAE's downsampling x the patch size), or a list WxH,WxH,... "
                 "in pixels; each item goes to the nearest aspect ratio, is resized to cover it and center-cropped "
@@ -75,8 +92,8 @@ class TrainOptions:
                                         "folder's class folders, a cache's manifest)", check="positive")
     vae: str = opt("none", "none trains in pixel space; else a diffusers AutoencoderKL folder or hub id "
                            "(a latent cache names its own)")
-    vae_scale: float | None = opt(None, "latents are multiplied by it; default: a cache's, else the family's "
-                                        "VAE scale (SD's 0.18215 for DiT)", check="positive")
+    vae_scale: float | None = opt(None, _by_family("vae_scale", "latents are multiplied by it; default: a cache's, "
+                                                              "else the family's"), check="positive")
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
     max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs", check="nonneg",
                          fix="0 trains for --epochs")
@@ -165,9 +182,9 @@ class TrainOptions:
     enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
     enable_flashattn: bool = opt(False, "FlashAttention (flash-attn 3 or 2 when installed), else SDPA")
     sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks; 1: off", check="positive")
-    sequence_parallel_type: str = opt("auto", "auto picks the model's method with the smaller communication "
-                                              "volume: fastseq at 2 ranks, ulysses above (DiT, VDiT); dsp for "
-                                              "Latte", _sp_kinds)
+    sequence_parallel_type: str = opt("auto", _sp_help("auto picks the model's method with the smaller "
+                                                       "communication volume: dsp where declared, else fastseq at 2 "
+                                                       "ranks, ulysses above"), _sp_kinds)
 
 
 @dataclass
@@ -191,15 +208,12 @@ class SampleOptions:
                                   check="positive")
     lora: list[str] = opt(help="LoRA files to apply without merging, each FILE or FILE:STRENGTH (diffusers/PEFT or "
                                "kohya/ComfyUI layout; a LoRA run's checkpoint applies its own)", factory=list)
-    cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's (DiT and "
-                                        "video 4; FLUX 1: its guidance embedding instead, see --guidance; Wan2.1 "
-                                        "5, Wan-debug 3)")
-    num_sampling_steps: int | None = opt(None, "denoising steps; default: the family's (DiT and video 250; FLUX: "
-                                               "flux-schnell 4, others 50; video with --objective flow and Wan2.1 "
-                                               "50, Wan-debug 20)", check="positive",
-                                         fix="e.g. 250 (ddpm) or 50 (ddim)")
-    sampler: str | None = opt(None, "ddpm (ancestral) or ddim (DiT, video; default ddpm); euler (FLUX, video "
-                                        "with --objective flow); unipc (default) or euler (Wan)", all_samplers)
+    cfg_scale: float | None = opt(None, _by_family("cfg_scale", "classifier-free guidance scale, 1: off; default: "
+                                                              "the family's"))
+    num_sampling_steps: int | None = opt(None, _by_family("num_sampling_steps", "denoising steps; default: the "
+                                                                                "family's"),
+                                         check="positive", fix="e.g. 250 (ddpm) or 50 (ddim)")
+    sampler: str | None = opt(None, _by_family("sampler", "the family's samplers"), all_samplers)
     seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
     class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
     prompts: list[str] = opt(help="captions to sample, cycled (a model trained on captions)", factory=list,
@@ -216,19 +230,20 @@ class SampleOptions:
     enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
     sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun)",
                                       check="positive")
-    sequence_parallel_type: str = opt("auto", "fastseq, ulysses (DiT, VDiT), dsp (Latte), or auto", _sp_kinds)
+    sequence_parallel_type: str = opt("auto", _sp_help("auto: the model's method with the smaller volume"),
+                                      _sp_kinds)
     vae_tiling: bool = opt(False, "decode with the VAE's own (diffusers') tiling: overlapping tiles, blended; bounds "
                                   "the decoder's memory for large images and videos (output differs slightly near "
                                   "seams)")
     vae_tile_size: int | None = opt(None, "a tile's side in pixels, a multiple of 4 x the VAE's downsampling (32 for "
-                                          "SD's, FLUX's and Wan's VAEs); turns --vae_tiling on; default: the VAE's "
-                                          "own (its config's sample_size, e.g. 256 SD, 1024 FLUX; Wan 256)",
+                                          "an 8x VAE); turns --vae_tiling on; default: the VAE's own (diffusers': "
+                                          "its config's sample_size, 256 for a causal video VAE)",
                                     check="positive")
-    vae_batch: int = opt(64, "images, frames (video with SD's VAE: decoded frame by frame) or Wan clips per VAE "
-                             "decoder call", check="positive")
+    vae_batch: int = opt(64, "images, frames (a 2-D VAE decodes video frame by frame) or clips (a causal video "
+                             "VAE) per decoder call", check="positive")
     parallel_decode: bool = opt(False, "the ranks that share each sample (--sequence_parallel_size, --cfg_parallel) "
                                        "split its decode: by images or frames, or by tiles (--vae_tiling) when there "
-                                       "are fewer than ranks; Wan clips never by frames")
+                                       "are fewer than ranks; a causal video VAE's clips never by frames")
     cfg_parallel: bool = opt(False, "classifier-free guidance's conditional and unconditional halves on two rank "
                                     "groups (under torchrun: 2 x --sequence_parallel_size processes, or a "
                                     "multiple); needs --cfg_scale > 1")

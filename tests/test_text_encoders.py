@@ -8,12 +8,25 @@ import pytest
 import torch
 
 from opendit.data import DIGIT_CAPTION_WORDS
-from opendit.encoders.text import (CLIPTextEncoder, T5TextEncoder, load_t5_encoder, load_text_encoder, t5_encoder_dim,
-                                   text_encoder_dim)
+from opendit.encoders.text import (
+    CLIPTextEncoder,
+    TokenTextEncoder,
+    load_t5_encoder,
+    load_text_encoder,
+    t5_encoder_dim,
+    text_encoder_dim,
+)
 from opendit.encoders.tiny_clip import DEMO_WORDS, demo_words, save_tiny_clip
+from opendit.encoders.vae import (
+    FLUX_VAE_SCALE,
+    FLUX_VAE_SHIFT,
+    decode,
+    encode,
+    scale_latents,
+    unscale_latents,
+    vae_scale_shift,
+)
 from opendit.families.flux.tiny_t5 import save_tiny_t5
-from opendit.encoders.vae import (FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode, encode, scale_latents, unscale_latents,
-                                  vae_scale_shift)
 
 CAPTIONS = ["a handwritten seven", "the digit one", "an eight", ""]
 MODEL_FILES = ("config.json", "model.safetensors")
@@ -51,9 +64,9 @@ def flux_pipeline_dir(tmp_path_factory, t5_dir, clip_dir):
 # ---- T5 -------------------------------------------------------------------------------------------------------
 def test_t5_shapes_padding_deterministic_frozen(t5_dir):
     enc = load_t5_encoder(t5_dir, "cpu", 16, torch.float32)
-    assert isinstance(enc, T5TextEncoder) and enc.dim == 32 and enc.max_length == 16
+    assert isinstance(enc, TokenTextEncoder) and enc.dim == 32 and enc.max_length == 16
     assert not enc.model.training and not any(p.requires_grad for p in enc.model.parameters())
-    ids = enc.tokenize(CAPTIONS)
+    ids = enc.tokenize(CAPTIONS)[0]
     assert ids.shape == (4, 16)
     # T5's layout: words, then </s> (1), then <pad> (0) up to max_length; the empty caption is just </s>
     assert ids[0, :4].tolist()[-1] == 1 and (ids[0, 4:] == 0).all() and ids[3, 0] == 1 and (ids[3, 1:] == 0).all()
@@ -62,27 +75,27 @@ def test_t5_shapes_padding_deterministic_frozen(t5_dir):
     assert out.shape == (4, 16, 32) and out.dtype == torch.float32 and not out.requires_grad
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, enc(CAPTIONS), rtol=0, atol=0)
-    again = T5TextEncoder(t5_dir, max_length=16, dtype=torch.float32)  # a fresh load: the same weights
+    again = load_t5_encoder(t5_dir, "cpu", 16, torch.float32)  # a fresh load: the same weights
     torch.testing.assert_close(out, again(CAPTIONS), rtol=0, atol=0)
     torch.testing.assert_close(out[:1], enc(CAPTIONS[:1]))  # no dependence on the rest of the batch
     assert not torch.allclose(out[0], out[1])
-    long = enc.tokenize([" ".join(["seven"] * 40)])
+    long = enc.tokenize([" ".join(["seven"] * 40)])[0]
     assert long.shape == (1, 16) and long[0, -1] == 1  # truncated to max_length, EOS kept
 
 
 def test_t5_bf16_default(t5_dir):
-    enc = T5TextEncoder(t5_dir, max_length=8)
+    enc = load_t5_encoder(t5_dir, "cpu", 8)
     assert next(enc.model.parameters()).dtype == torch.bfloat16
     out = enc(CAPTIONS[:2])
     assert out.dtype == torch.float32 and out.shape == (2, 8, 32)
-    ref = T5TextEncoder(t5_dir, max_length=8, dtype=torch.float32)(CAPTIONS[:2])
+    ref = load_t5_encoder(t5_dir, "cpu", 8, torch.float32)(CAPTIONS[:2])
     torch.testing.assert_close(out, ref, rtol=0.1, atol=0.1)
 
 
 def test_pipeline_folder_layout(flux_pipeline_dir, t5_dir, clip_dir):
     assert t5_encoder_dim(flux_pipeline_dir) == 32 and text_encoder_dim(flux_pipeline_dir) == 32
     t5 = load_t5_encoder(flux_pipeline_dir, "cpu", 8, torch.float32)
-    torch.testing.assert_close(t5(CAPTIONS), T5TextEncoder(t5_dir, max_length=8, dtype=torch.float32)(CAPTIONS))
+    torch.testing.assert_close(t5(CAPTIONS), load_t5_encoder(t5_dir, "cpu", 8, torch.float32)(CAPTIONS))
     clip = load_text_encoder(flux_pipeline_dir, "cpu")
     torch.testing.assert_close(clip(CAPTIONS), CLIPTextEncoder(clip_dir)(CAPTIONS))
 
@@ -121,7 +134,7 @@ def test_missing_and_invalid_folders_name_the_flag_and_files(tmp_path, t5_dir, c
     with pytest.raises(ValueError, match=r"--clip .*'t5' model, not a CLIP text encoder"):
         load_text_encoder(t5_dir)
     with pytest.raises(ValueError, match="max_length"):
-        T5TextEncoder(t5_dir, max_length=0)
+        load_t5_encoder(t5_dir, "cpu", 0)
 
 
 # ---- CLIP -----------------------------------------------------------------------------------------------------
@@ -148,7 +161,7 @@ def test_tiny_encoder_vocabularies_and_command_line(tmp_path):
     assert run.returncode == 0, run.stderr
     t5 = load_t5_encoder(str(tmp_path / "t5"), "cpu", 8, torch.float32)
     clip = load_text_encoder(str(tmp_path / "clip"))
-    assert (t5.tokenize(CAPTIONS) != 2).all()  # 2 = T5's <unk>
+    assert (t5.tokenize(CAPTIONS)[0] != 2).all()  # 2 = T5's <unk>
     assert all(1 not in ids for ids in clip.tokenizer(CAPTIONS)["input_ids"])  # 1 = tiny CLIP's <unk>
 
 

@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from opendit.encoders.vae import decode, decode_frames
-from opendit.encoders.vae_decode import (DecodeOptions, _blend, _decode_tile, check_tile_size, tile_grid,
-                                         tiling)
-from opendit.families.wan.vae import wan_decode
+from opendit.encoders.vae_decode import DecodeOptions, _blend, check_tile_size, decoding_of, tile_grid, tiling
+from opendit.families.wan.vae import described, wan_decode
 from opendit.inference import with_vae_decode
 from tests.distributed import run_distributed
 
@@ -45,7 +44,7 @@ def tiny_wan():
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)
-    return AutoencoderKLWan(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+    return described(AutoencoderKLWan(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval())
 
 
 def _vae(kind: str):
@@ -80,7 +79,7 @@ def test_tiles_decoded_one_by_one_and_blended_equal_diffusers_tiled_decode(kind,
     vae, z = _vae(kind), _latents(kind)
     with tiling(vae, TILED):
         expected = vae.tiled_decode(z).sample
-        tiles = [_decode_tile(vae, z[..., rows, cols]) for rows, cols in tile_grid(vae, z)]
+        tiles = [decoding_of(vae).decode_tile(vae, z[..., rows, cols]) for rows, cols in tile_grid(vae, z)]
         assert torch.equal(_blend(vae, z, tiles), expected)
     assert type(vae.decoder).__name__ != "_Replay" and vae.post_quant_conv is not None  # put back
 

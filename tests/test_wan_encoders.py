@@ -10,11 +10,19 @@ import torch
 
 from opendit.booster.plugins import shard_frozen
 from opendit.data.moving_digits import MovingDigitsDataset
-from opendit.encoders.text import UMT5TextEncoder, load_t5_encoder, load_umt5_encoder, umt5_encoder_dim
+from opendit.encoders.text import TokenTextEncoder, load_t5_encoder
 from opendit.families.flux.tiny_t5 import save_tiny_t5
+from opendit.families.wan.text import load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.tiny_umt5 import save_tiny_umt5
-from opendit.families.wan.vae import (is_wan_vae, load_wan_vae, save_tiny_wan_vae, wan_decode, wan_latent_shape,
-                                      wan_posterior, wan_vae_config)
+from opendit.families.wan.vae import (
+    is_wan_vae,
+    load_wan_vae,
+    save_tiny_wan_vae,
+    wan_decode,
+    wan_latent_shape,
+    wan_posterior,
+    wan_vae_config,
+)
 
 CAPTIONS = ["the digit 3 moving up and left", "the digit 7 moving right", "the  digit 0\nmoving down", ""]
 
@@ -43,7 +51,7 @@ def wan_pipeline_dir(tmp_path_factory):
 # ---- UMT5 -----------------------------------------------------------------------------------------------------
 def test_umt5_zero_after_each_caption_frozen_shardable(umt5_dir):
     enc = load_umt5_encoder(umt5_dir, "cpu", 16)
-    assert isinstance(enc, UMT5TextEncoder) and enc.dim == 32 and enc.max_length == 16
+    assert isinstance(enc, TokenTextEncoder) and enc.dim == 32 and enc.max_length == 16
     assert not enc.model.training and not any(p.requires_grad for p in enc.model.parameters())
     assert next(enc.model.parameters()).dtype == torch.float32
     ids, mask = enc.tokenize(CAPTIONS)
@@ -56,13 +64,13 @@ def test_umt5_zero_after_each_caption_frozen_shardable(umt5_dir):
         assert (row[n:] == 0).all() and (row[:n].abs().sum(dim=1) > 0).all()
     torch.testing.assert_close(out[2], enc(["the digit 0 moving down"])[0], rtol=0, atol=0)  # whitespace collapsed
     assert not torch.allclose(out[0], out[1])
-    # the blocks FSDP shards one by one, named as in T5TextEncoder; one process keeps the module whole
+    # the blocks FSDP shards one by one, named as in T5's TokenTextEncoder; one process keeps the module whole
     assert len(enc.model.encoder.block) == 2
     assert shard_frozen(enc.model, enc.model.encoder.block, "zero3") is enc.model
 
 
 def test_umt5_independent_of_batch_and_max_length(umt5_dir):
-    short, long = UMT5TextEncoder(umt5_dir, max_length=16), UMT5TextEncoder(umt5_dir, max_length=40)
+    short, long = load_umt5_encoder(umt5_dir, "cpu", 16), load_umt5_encoder(umt5_dir, "cpu", 40)
     out = short(CAPTIONS)
     torch.testing.assert_close(out[:1], short(CAPTIONS[:1]))
     torch.testing.assert_close(out[1:2], short(CAPTIONS[1:2]))
@@ -97,7 +105,7 @@ def test_moving_digit_captions_get_distinct_token_sequences(umt5_dir):
     data = MovingDigitsDataset(image_size=8, num_frames=2)
     captions = sorted({data.caption(i) for i in range(len(data))})
     assert len(captions) == 80  # 10 digits x 8 directions
-    ids, _ = UMT5TextEncoder(umt5_dir, max_length=12).tokenize(captions)
+    ids, _ = load_umt5_encoder(umt5_dir, "cpu", 12).tokenize(captions)
     assert len({tuple(row.tolist()) for row in ids}) == len(captions)
 
 
@@ -127,8 +135,8 @@ def test_umt5_errors_name_the_flag_and_files(tmp_path, umt5_dir):
         load_umt5_encoder(t5_dir)
     with pytest.raises(ValueError, match=r"--t5 .*'umt5' model, not a T5 encoder"):
         load_t5_encoder(umt5_dir)
-    with pytest.raises(ValueError, match="UMT5 max_length must be a positive int, got 0"):
-        UMT5TextEncoder(umt5_dir, max_length=0)
+    with pytest.raises(ValueError, match="UMT5 encoder max_length must be a positive int, got 0"):
+        load_umt5_encoder(umt5_dir, "cpu", 0)
 
 
 # ---- Wan VAE --------------------------------------------------------------------------------------------------

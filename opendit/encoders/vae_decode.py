@@ -8,8 +8,9 @@ context than in one pass, so a tiled decode differs from the plain one (tests/te
 a latent that fits one tile is decoded whole.
 
 Splitting over a group gives what one process decoding the same way gives: rows are independent (SD's VAE decodes a
-clip frame by frame), and so are tiles, which every rank then blends with diffusers' own tiled_decode. Wan's causal
-3-D VAE is never split in time: each latent frame's decode reads the cached features of the frames before it.
+clip frame by frame), and so are tiles, which every rank then blends with diffusers' own tiled_decode. A causal 3-D
+VAE (Wan's) is never split in time: each latent frame's decode reads the cached features of the frames before it.
+What differs between VAEs, each says itself (VAEDecoding).
 """
 import contextlib
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import nn
 @dataclass(frozen=True)
 class DecodeOptions:
     """tiling: diffusers' tiled decode of latents larger than a tile; tile_size: a tile's side in pixels (None: the
-    VAE's own: its config's sample_size for AutoencoderKL, 256 for Wan); batch: rows per decoder call; group: the
+    VAE's own: its config's sample_size for AutoencoderKL, 256 for Wan's); batch: rows per decoder call; group: the
     ranks holding the same latents, which split the work (None: this process decodes everything)."""
     tiling: bool = False
     tile_size: int | None = None
@@ -31,37 +32,50 @@ class DecodeOptions:
     group: Any = None
 
 
-def _is_wan(vae) -> bool:
-    return type(vae).__name__ == "AutoencoderKLWan"
+class VAEDecoding:
+    """What shared decoding asks of a VAE, answered for diffusers' 2-D AutoencoderKL (SD, FLUX): its downsampling,
+    diffusers' tile attributes, the latent tiles of its tiled_decode, one tile's decode. A clip decodes frame by
+    frame, so rows (images or frames) are independent. A VAE whose decoder works otherwise carries its own answers
+    as the attribute `opendit_decoding` (Wan's causal 3-D VAE: opendit.families.wan.vae); shared code asks
+    `decoding_of(vae)` and never tests a class name."""
+
+    def downsampling(self, vae) -> int:
+        return 2 ** (len(vae.config.block_out_channels) - 1)
+
+    def tile_settings(self, vae, size: int) -> dict:
+        """diffusers' attributes for tiles of size x size pixels, a quarter overlapping (its defaults' proportions)."""
+        return {"tile_sample_min_size": size, "tile_latent_min_size": size // self.downsampling(vae)}
+
+    def tile_shape(self, vae) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(tile size, stride) in latent pixels, (height, width) each, as tiled_decode reads them now."""
+        side = vae.tile_latent_min_size
+        return (side, side), (int(side * (1 - vae.tile_overlap_factor)),) * 2
+
+    def decode_tile(self, vae, tile: torch.Tensor) -> torch.Tensor:
+        """One latent tile -> its pixels as tiled_decode computes them before blending."""
+        return vae.decoder(vae.post_quant_conv(tile) if vae.config.use_post_quant_conv else tile)
 
 
-def _downsampling(vae) -> int:
-    return vae.spatial_compression_ratio if _is_wan(vae) else 2 ** (len(vae.config.block_out_channels) - 1)
+def decoding_of(vae) -> VAEDecoding:
+    return getattr(vae, "opendit_decoding", None) or VAEDecoding()
 
 
 def check_tile_size(vae, size: int) -> None:
     """ValueError naming --vae_tile_size unless `size` is a multiple of 4 x the VAE's downsampling: tiles overlap by
     a quarter of their side, which must be whole latent pixels (else diffusers' tiles leave seams of gaps)."""
-    step = 4 * _downsampling(vae)
+    step = 4 * decoding_of(vae).downsampling(vae)
     if size % step:
         raise ValueError(f"--vae_tile_size {size}: must be a multiple of {step} (tiles overlap by a quarter of their "
                          f"side, in whole latent pixels of the VAE's {step // 4}x downsampling); use "
                          f"{max(step, size // step * step)}")
 
 
-def _tile_settings(vae, size: int) -> dict:
-    """diffusers' attributes for tiles of size x size pixels, a quarter overlapping (its defaults' proportions)."""
-    if _is_wan(vae):
-        return {"tile_sample_min_height": size, "tile_sample_min_width": size,
-                "tile_sample_stride_height": size * 3 // 4, "tile_sample_stride_width": size * 3 // 4}
-    return {"tile_sample_min_size": size, "tile_latent_min_size": size // _downsampling(vae)}
-
-
 @contextlib.contextmanager
 def tiling(vae, options: DecodeOptions):
     """Within: diffusers' tiling switched on as `options` say (nothing changes without options.tiling); the VAE's
     own settings come back after."""
-    settings = {"use_tiling": True, **(_tile_settings(vae, options.tile_size) if options.tile_size else {})}
+    sized = decoding_of(vae).tile_settings(vae, options.tile_size) if options.tile_size else {}
+    settings = {"use_tiling": True, **sized}
     saved = {name: getattr(vae, name) for name in settings} if options.tiling else {}
     try:
         for name in saved:
@@ -76,37 +90,17 @@ def tile_grid(vae, z: torch.Tensor) -> list[tuple[slice, slice]]:
     """The latent tiles diffusers' tiled_decode decodes, in its order (rows, then columns): slices of z's last two
     dims; [] when z fits one tile (diffusers decodes it whole)."""
     h, w = z.shape[-2:]
-    if _is_wan(vae):
-        f = vae.spatial_compression_ratio
-        size = (vae.tile_sample_min_height // f, vae.tile_sample_min_width // f)
-        stride = (vae.tile_sample_stride_height // f, vae.tile_sample_stride_width // f)
-    else:
-        side = vae.tile_latent_min_size
-        size, stride = (side, side), (int(side * (1 - vae.tile_overlap_factor)),) * 2
+    size, stride = decoding_of(vae).tile_shape(vae)
     if h <= size[0] and w <= size[1]:
         return []
     return [(slice(i, i + size[0]), slice(j, j + size[1])) for i in range(0, h, stride[0])
             for j in range(0, w, stride[1])]
 
 
-def _decode_tile(vae, tile: torch.Tensor) -> torch.Tensor:
-    """One latent tile -> its pixels as diffusers' tiled_decode computes them before blending (and Wan's clamp)."""
-    if not _is_wan(vae):
-        return vae.decoder(vae.post_quant_conv(tile) if vae.config.use_post_quant_conv else tile)
-    vae.clear_cache()  # Wan: latent frames in order, each reading the causal cache of those before it
-    frames = []
-    for k in range(tile.shape[2]):
-        vae._conv_idx = [0]
-        frames.append(vae.decoder(vae.post_quant_conv(tile[:, :, k:k + 1]), feat_cache=vae._feat_map,
-                                  feat_idx=vae._conv_idx, first_chunk=k == 0))
-    vae.clear_cache()
-    return torch.cat(frames, 2)
-
-
 class _Replay(nn.Module):
     """Stands in for the decoder inside diffusers' tiled_decode, answering its calls with tiles decoded already.
-    Wan's tiled_decode calls the decoder once per latent frame of a tile and concatenates in time: the whole tile
-    [B, 3, T, H, W] answers the first frame's call (first_chunk), 0 frames the others'."""
+    A causal 3-D VAE's tiled_decode (Wan's) calls the decoder once per latent frame of a tile and concatenates in
+    time: the whole tile [B, 3, T, H, W] answers the first frame's call (first_chunk), 0 frames the others'."""
 
     def __init__(self, tiles: list[torch.Tensor]):
         super().__init__()
@@ -121,7 +115,7 @@ class _Replay(nn.Module):
 
 def _blend(vae, z: torch.Tensor, tiles: list[torch.Tensor]) -> torch.Tensor:
     """diffusers' tiled_decode of z with `tiles` (those of tile_grid, decoded) in place of its decoder calls: its
-    own blending, cropping and (Wan) clamping."""
+    own blending, cropping and clamping."""
     decoder, post_quant_conv = vae.decoder, vae.post_quant_conv
     vae.decoder, vae.post_quant_conv = _Replay(tiles), nn.Identity()
     try:
@@ -149,7 +143,8 @@ def _decode_rows(vae, z: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _split_tiles(vae, z: torch.Tensor, grid: list, group) -> torch.Tensor:
-    mine = [_decode_tile(vae, z[..., rows, cols]) for rows, cols in (grid[k] for k in _share(len(grid), group))]
+    decode_tile = decoding_of(vae).decode_tile
+    mine = [decode_tile(vae, z[..., rows, cols]) for rows, cols in (grid[k] for k in _share(len(grid), group))]
     return _blend(vae, z, _all_gather(mine, group, z.device))
 
 

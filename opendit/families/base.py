@@ -159,6 +159,9 @@ class ModelFamily:
     datasets: Mapping[str, DatasetSpec] = {}  # --dataset values it trains on (opendit.data.dataset_map)
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given
+    # Its defaults of shared flags in words, {option field: text}, e.g. {"cfg_scale": "Wan2.1 5, Wan-debug 3"}:
+    # the --help of those flags lists every family's (opendit.config); the values themselves come from the hooks
+    defaults_help: Mapping[str, str] = {}
     # sample.py's --cache_threshold when not given, per step cache (opendit.models.step_cache); a family sets the
     # values benchmarks/sample_accel.py measured for it (speed against quality); these are a starting point
     cache_thresholds: Mapping[str, float] = {"teacache": 0.1, "fbcache": 0.08}

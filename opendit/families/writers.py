@@ -62,14 +62,21 @@ class VideoWriter:
         self.mp4 = importlib.util.find_spec("av") is not None
         if not self.mp4:  # the lossless strips, the grids and the npz need no PyAV
             logger.warning("PyAV is not installed: no MP4s, only strips/, grid.png and grid.gif (pip install av)")
-        for sub in ("videos", "strips"):
-            (out / sub).mkdir(parents=True, exist_ok=True)
+
+    def write_animation(self, path: Path, frames: np.ndarray) -> None:
+        """frames uint8 [T, H, W, 3] -> path.gif, and path.mp4 with PyAV, at this writer's fps (training's
+        previews of clips)."""
+        write_gif(path.with_suffix(".gif"), frames, fps=self.fps)
+        if self.mp4:
+            write_mp4(path.with_suffix(".mp4"), frames, fps=self.fps)
 
     def strip_path(self, index: int) -> Path:
         return self.out / "strips" / f"{index:06d}.png"
 
     def write(self, index: int, clip: np.ndarray) -> None:
         """clip uint8 [T, H, W, C]."""
+        for sub in ("videos", "strips"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
         frames = rgb(clip)
         if self.mp4:
             write_mp4(self.out / "videos" / f"{index:06d}.mp4", frames, fps=self.fps)

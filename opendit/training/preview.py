@@ -29,7 +29,6 @@ its prompts then; under the FSDP plugins the T5 encoder is sharded, which makes 
 Previewer on every rank.
 """
 import contextlib
-import importlib.util
 import logging
 import math
 import random
@@ -46,7 +45,6 @@ from torch.distributed.tensor import DTensor
 from opendit import config as cfglib
 from opendit.booster.precision import cast_forward_io, compute_dtype
 from opendit.checkpoint import load_into_meta_model
-from opendit.data.video_io import write_gif, write_mp4
 from opendit.distributed import unwrap_model
 from opendit.ema import clean_fqn
 from opendit.families.base import LoadedModel
@@ -223,11 +221,8 @@ class Previewer:
         png = self.out / f"step-{step:06d}.png"
         grid = self.grid(samples)
         Image.fromarray(grid).save(png)
-        if samples.ndim == 5:
-            frames, fps = self.animated_grid(samples), getattr(self.sample_cfg, "fps", 8)
-            write_gif(png.with_suffix(".gif"), frames, fps=fps)
-            if importlib.util.find_spec("av") is not None:
-                write_mp4(png.with_suffix(".mp4"), frames, fps=fps)
+        if samples.ndim == 5:  # clips: the family's writer animates the grid at its frame rate
+            self.family.writer(self.out, self.sample_cfg, self.cfg).write_animation(png, self.animated_grid(samples))
         if tb is not None:
             tb.add_image("preview", grid, step, dataformats="HWC")
             tb.flush()

@@ -80,6 +80,8 @@ class DiTFamily(GaussianDiffusionFamily):
     datasets = dataset_map(DIGITS, FOLDER, LATENTS)
     checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")
     cache_thresholds = {"teacache": 0.2, "fbcache": 0.16}  # benchmarks/README.md: digits, no accuracy lost
+    defaults_help = {"cfg_scale": "DiT 4", "num_sampling_steps": "DiT 250",
+                     "sampler": "DiT: ddpm (ancestral, default) or ddim", "vae_scale": "DiT: SD's 0.18215"}
 
     def build_model(self, cfg, latent_shape):
         channels, size, _ = latent_shape

@@ -22,14 +22,21 @@ from safetensors import safe_open
 from opendit.booster import shard_frozen
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
-from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype, load_t5_encoder,
-                                   load_text_encoder, t5_encoder_dim,
-                                   text_encoder_dim)
+from opendit.encoders.text import (
+    CLIP_SOURCE,
+    T5_SOURCE,
+    FixedEmbeddings,
+    encoder_dtype,
+    load_t5_encoder,
+    load_text_encoder,
+    t5_encoder_dim,
+    text_encoder_dim,
+)
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
 from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
-from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.flux.weights import flux_to_diffusers
 from opendit.families.flux.model import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
+from opendit.families.flux.weights import flux_to_diffusers
+from opendit.families.latent import LatentImageFamily, is_none
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -79,7 +86,7 @@ class FluxCacheOptions:
 @dataclass
 class FluxEncoders:
     vae: torch.nn.Module | None  # None: pixel space, or training on a cache
-    t5: object | None  # opendit.encoders.text.T5TextEncoder (or FixedEmbeddings); None when training on a cache
+    t5: object | None  # an opendit.encoders.text.TokenTextEncoder (or FixedEmbeddings); None when training on a cache
     clip: object | None  # opendit.encoders.text.CLIPTextEncoder (pooled vector), or FixedEmbeddings
     empty: tuple[torch.Tensor, torch.Tensor] | None = None  # (T5 [L, D], CLIP [D]) of the empty caption
 
@@ -194,6 +201,9 @@ class FluxFamily(LatentImageFamily):
     lora_targets = r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])|single_blocks\.\d+\.linear[12]"
     datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
     samplers = ("euler",)
+    defaults_help = {"cfg_scale": "FLUX 1: its guidance embedding instead, see --guidance",
+                     "num_sampling_steps": "flux-schnell 4, other FLUX 50", "sampler": "FLUX: euler",
+                     "vae_scale": "FLUX: its VAE's 0.3611, shifted by 0.1159"}
     cache_keys = ("t5", "clip", "t5_max_length")
     checkpoint_formats = ("an official flux1-dev / flux1-schnell .safetensors",)
     train_options = FluxTrainOptions
@@ -262,8 +272,8 @@ class FluxFamily(LatentImageFamily):
 
     def text_encoder_bytes(self, cfg, device) -> dict:
         size = encoder_dtype(device).itemsize
-        return {"T5-XXL encoder": size * TEXT_ENCODER_PARAMS["T5-XXL"],
-                "CLIP-L text": size * TEXT_ENCODER_PARAMS["CLIP-L"]}
+        return {"T5-XXL encoder": size * T5_SOURCE.params,
+                "CLIP-L text": size * CLIP_SOURCE.params}
 
     def memory_model(self, cfg, latent_shape):
         """build_model's model with T5-XXL's 4096-wide tokens and CLIP-L's 768-wide vector (the constructor's)."""

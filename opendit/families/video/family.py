@@ -20,18 +20,21 @@ from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
 from opendit.diffusion import SAMPLERS
 from opendit.diffusion.flow import RectifiedFlow, cfg_velocity, euler_sample
 from opendit.diffusion.objective import DiffusionObjective
-from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype, load_text_encoder,
-                                   text_encoder_dim)
+from opendit.encoders.text import CLIP_SOURCE, FixedEmbeddings, encoder_dtype, load_text_encoder, text_encoder_dim
 from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
 from opendit.families.base import ModelSpec, match_registry, preview_prompts
-from opendit.families.gaussian import (GaussianDiffusionFamily, GaussianSampleOptions, GaussianTrainOptions,
-                                      official_shapes)
+from opendit.families.gaussian import (
+    GaussianDiffusionFamily,
+    GaussianSampleOptions,
+    GaussianTrainOptions,
+    official_shapes,
+)
 from opendit.families.latent import check_multiple, is_none, latent_geometry
+from opendit.families.video.latte import Latte
+from opendit.families.video.vdit import VDiT
 from opendit.families.writers import VideoWriter
 from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
-from opendit.families.video.latte import Latte
 from opendit.models.layers import Attention
-from opendit.families.video.vdit import VDiT
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -172,6 +175,9 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
     models = VIDEO_MODELS
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
+    defaults_help = {"cfg_scale": "video DiTs 4", "num_sampling_steps": "video DiTs 250, with --objective flow 50",
+                     "sampler": "video DiTs: ddpm (default) or ddim; euler with --objective flow",
+                     "vae_scale": "video DiTs: SD's 0.18215"}
     cache_keys = ("num_frames", "frame_interval")
     checkpoint_formats = ("an official Latte .pt",)
     cache_thresholds = {"teacache": 0.5, "fbcache": 0.05}  # benchmarks/README.md: Latte digits, >= 2x, none lost
@@ -249,7 +255,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
 
     def text_encoder_bytes(self, cfg, device) -> dict:
         size = encoder_dtype(device).itemsize
-        return {} if is_none(cfg.clip) else {"CLIP-L text": size * TEXT_ENCODER_PARAMS["CLIP-L"]}
+        return {} if is_none(cfg.clip) else {"CLIP-L text": size * CLIP_SOURCE.params}
 
     def memory_model(self, cfg, latent_shape):
         """build_model's model; captions (--clip) as CLIP-L's pooled 768-wide vector, without reading the folder."""

@@ -24,16 +24,16 @@ from tqdm.auto import tqdm
 
 from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
-from opendit.diffusion.sampling import progress_interval
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
-from opendit.encoders.text import (TEXT_ENCODER_PARAMS, FixedEmbeddings, encoder_dtype,
-                                   load_umt5_encoder, umt5_encoder_dim)
-from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
-from opendit.families.base import MemoryProbe, ModelSpec, prompt_conditions, preview_prompts
+from opendit.diffusion.sampling import progress_interval
+from opendit.encoders.text import FixedEmbeddings, encoder_dtype
+from opendit.families.base import MemoryProbe, ModelSpec, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.writers import VideoWriter
-from opendit.families.wan.weights import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
 from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
+from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
+from opendit.families.wan.weights import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
+from opendit.families.writers import VideoWriter
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -83,7 +83,7 @@ class WanCacheOptions:
 @dataclass
 class WanEncoders:
     vae: nn.Module | None  # None: pixel space, or training on a cache
-    text: object | None  # UMT5TextEncoder (or FixedEmbeddings); None when training on a cache
+    text: object | None  # UMT5 (a TokenTextEncoder, or FixedEmbeddings); None when training on a cache
     empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
 
     def encode(self, captions: list[str], device) -> torch.Tensor:
@@ -182,6 +182,8 @@ class WanFamily(LatentImageFamily):
     lora_targets = r"blocks\.\d+\.((self|cross)_attn\.[qkvo]|ffn\.[02])"  # attention and MLP Linears
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = SAMPLERS
+    defaults_help = {"cfg_scale": "Wan2.1 5, Wan-debug 3", "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
+                     "sampler": "Wan: unipc (default) or euler", "vae_scale": "Wan 1: its VAE normalises per channel"}
     cache_keys = ("num_frames", "frame_interval", "umt5")
     checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
                           "a diffusers Wan folder (transformer/)")
@@ -296,7 +298,7 @@ class WanFamily(LatentImageFamily):
         if is_none(cfg.vae):
             return MemoryProbe(self.latent_shape(cfg, WanEncoders(vae=None, text=None)))
         shape = self.check_patches(cfg, wan_latent_shape({}, cfg.num_frames, cfg.image_size, cfg.image_size))
-        return MemoryProbe(shape, {"UMT5-XXL encoder": encoder_dtype(device).itemsize * TEXT_ENCODER_PARAMS["UMT5-XXL"],
+        return MemoryProbe(shape, {"UMT5-XXL encoder": encoder_dtype(device).itemsize * UMT5_SOURCE.params,
                                    "Wan VAE": 4 * 126_892_531})
 
     def memory_model(self, cfg, latent_shape):

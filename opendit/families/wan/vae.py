@@ -12,12 +12,45 @@ import os
 
 import torch
 
-from opendit.encoders.vae_decode import DecodeOptions, decode_latents
+from opendit.encoders.vae_decode import DecodeOptions, VAEDecoding, decode_latents
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
 NEEDS = (f"it needs config.json (\"_class_name\": \"{WAN_VAE_CLASS}\") and diffusion_pytorch_model*.safetensors, "
          f"as {WAN_VAE_CLASS}.save_pretrained writes them, or a Wan pipeline folder with vae/; download the vae/ of "
          f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers where there is network and pass that local folder")
+
+
+class CausalVideoDecoding(VAEDecoding):
+    """How AutoencoderKLWan decodes (opendit.encoders.vae_decode asks): 8x down in space; tiles of every latent
+    frame, decoded frame after frame through the causal feature cache; never split in time."""
+
+    def downsampling(self, vae) -> int:
+        return vae.spatial_compression_ratio
+
+    def tile_settings(self, vae, size: int) -> dict:
+        return {"tile_sample_min_height": size, "tile_sample_min_width": size,
+                "tile_sample_stride_height": size * 3 // 4, "tile_sample_stride_width": size * 3 // 4}
+
+    def tile_shape(self, vae):
+        f = vae.spatial_compression_ratio
+        return ((vae.tile_sample_min_height // f, vae.tile_sample_min_width // f),
+                (vae.tile_sample_stride_height // f, vae.tile_sample_stride_width // f))
+
+    def decode_tile(self, vae, tile: torch.Tensor) -> torch.Tensor:
+        vae.clear_cache()  # latent frames in order, each reading the causal cache of those before it
+        frames = []
+        for k in range(tile.shape[2]):
+            vae._conv_idx = [0]
+            frames.append(vae.decoder(vae.post_quant_conv(tile[:, :, k:k + 1]), feat_cache=vae._feat_map,
+                                      feat_idx=vae._conv_idx, first_chunk=k == 0))
+        vae.clear_cache()
+        return torch.cat(frames, 2)
+
+
+def described(vae):
+    """The AutoencoderKLWan `vae`, carrying how it decodes (shared decoding asks it, see VAEDecoding)."""
+    vae.opendit_decoding = CausalVideoDecoding()
+    return vae
 
 
 def _is_none(path) -> bool:
@@ -75,7 +108,7 @@ def load_wan_vae(path, device="cpu", dtype: torch.dtype = torch.float32):
 
     vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
     vae.requires_grad_(False)
-    return vae
+    return described(vae)
 
 
 def wan_factors(vae_or_config) -> tuple[int, int, int]:
@@ -135,7 +168,7 @@ def wan_decode(vae, latents: torch.Tensor, options: DecodeOptions = DecodeOption
     mean, std = _stats(vae, latents.device)
     param = next(vae.parameters())
     z = (latents.float() * std + mean).to(device=param.device, dtype=param.dtype)
-    return decode_latents(vae, z, options).float().to(latents.device)
+    return decode_latents(described(vae), z, options).float().to(latents.device)
 
 
 def save_tiny_wan_vae(folder, seed: int = 0, z_dim: int = 16, base_dim: int = 4) -> str:
