@@ -46,11 +46,10 @@ def _sp_kinds():
     return [*KINDS, "auto"]
 
 
-def _by_family(field: str, lead: str):
-    """A help text: `lead`, then each registered family's default of `field` (its defaults_help)."""
-    def text():
-        return f"{lead} ({'; '.join(f.defaults_help[field] for f in FAMILIES.values() if field in f.defaults_help)})"
-    return text
+def flag_help(f) -> str:
+    """A flag's help: its field's text, then each registered family's default of it in words (defaults_help)."""
+    found = [fam.defaults_help[f.name] for fam in FAMILIES.values() if f.name in fam.defaults_help]
+    return help_of(f) + (f" ({'; '.join(found)})" if found else "")
 
 
 def _sp_help(lead: str):
@@ -92,8 +91,8 @@ class TrainOptions:
                                         "folder's class folders, a cache's manifest)", check="positive")
     vae: str = opt("none", "none trains in pixel space; else a diffusers AutoencoderKL folder or hub id "
                            "(a latent cache names its own)")
-    vae_scale: float | None = opt(None, _by_family("vae_scale", "latents are multiplied by it; default: a cache's, "
-                                                              "else the family's"), check="positive")
+    vae_scale: float | None = opt(None, "latents are multiplied by it; default: a cache's, else the family's",
+                                  check="positive")
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
     max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs", check="nonneg",
                          fix="0 trains for --epochs")
@@ -208,12 +207,10 @@ class SampleOptions:
                                   check="positive")
     lora: list[str] = opt(help="LoRA files to apply without merging, each FILE or FILE:STRENGTH (diffusers/PEFT or "
                                "kohya/ComfyUI layout; a LoRA run's checkpoint applies its own)", factory=list)
-    cfg_scale: float | None = opt(None, _by_family("cfg_scale", "classifier-free guidance scale, 1: off; default: "
-                                                              "the family's"))
-    num_sampling_steps: int | None = opt(None, _by_family("num_sampling_steps", "denoising steps; default: the "
-                                                                                "family's"),
-                                         check="positive", fix="e.g. 250 (ddpm) or 50 (ddim)")
-    sampler: str | None = opt(None, _by_family("sampler", "the family's samplers"), all_samplers)
+    cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's")
+    num_sampling_steps: int | None = opt(None, "denoising steps; default: the family's", check="positive",
+                                         fix="e.g. 250 (ddpm) or 50 (ddim)")
+    sampler: str | None = opt(None, "the family's samplers", all_samplers)
     seed: int = opt(0, "sample i's noise depends only on (seed, i), whatever the number of processes")
     class_labels: list[int] = opt(help="classes to sample, cycled; default: every class", factory=list)
     prompts: list[str] = opt(help="captions to sample, cycled (a model trained on captions)", factory=list,
@@ -379,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         kind = hint
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # "X | None" -> X
             kind = next(a for a in typing.get_args(hint) if a is not type(None))
-        kw = {"default": default, "help": help_of(f), "dest": f.name}
+        kw = {"default": default, "help": flag_help(f), "dest": f.name}
         choices = choices_of(f)
         if choices:
             kw["choices"] = choices

@@ -7,9 +7,9 @@ help, by section, and every --dataset, for the families registered now. Written 
 """
 import dataclasses
 
-from opendit.config import config_class
+from opendit.config import config_class, flag_help
 from opendit.families import FAMILIES, all_datasets
-from opendit.options import choices_of, default_of, help_of
+from opendit.options import choices_of, default_of
 
 SCRIPTS = (("train.py", "TrainConfig"), ("sample.py", "SampleConfig"), ("preprocess.py", "PreprocessConfig"))
 TABLE = ["| flag | default | meaning |", "|---|---|---|"]
@@ -22,7 +22,7 @@ def _cell(text: str) -> str:
 def _row(f) -> str:
     default, choices = default_of(f), choices_of(f)
     meaning = "the data (see Datasets below)" if f.name == "dataset" else \
-        help_of(f) + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
+        flag_help(f) + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
     flags = ", ".join(f"`{flag}`" for flag in [f"--{f.name}", *f.metadata.get("aliases", ())])
     shown = "-" if default in (None, []) else f"`{default}`" if default != "" else '`""`'
     return f"| {flags} | {_cell(shown)} | {_cell(meaning)} |"

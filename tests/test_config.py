@@ -34,8 +34,10 @@ def test_help_shows_sections_help_defaults_and_choices(script):
         assert "--plugin {ddp,zero2,zero3,fsdp,hsdp,gemini}" in text and "(default: ddp)" in text
         assert "one of: DiT-Ti/2" in text and "DiT-XL/2" in text and "--mixed_precision {fp32,bf16,fp16}" in text
     if script == "sample.py":
-        # the defaults of steps, sampler and guidance are the model family's, and the help says which
-        assert "--sampler {ddpm,ddim,euler,unipc}" in text and "DiT and video 250; FLUX: flux-schnell 4" in text
+        # the defaults of steps, sampler and guidance are the model family's, and the help says which: each
+        # family's own words (defaults_help), and the methods each model's parallel plan declares
+        assert "--sampler {ddpm,ddim,euler,unipc}" in text and "DiT 250; video DiTs 250" in text
+        assert "flux-schnell 4, other FLUX 50; Wan2.1 50" in text and "dsp (Latte)" in text
     if script == "preprocess.py":
         assert "--family {dit,video,flux,wan,toy,shapes}" in text and "--dtype {float32,float16}" in text
 

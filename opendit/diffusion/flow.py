@@ -171,6 +171,14 @@ class RectifiedFlow:
         x0 and noise are keyword-only: swapping them would silently flip the target's sign."""
         return self.mse(pred, self.target(x0, noise))
 
+    def losses(self, model_fn, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-sample fp32 losses [B] of model_fn(x_t, t) -> velocity [B, ...] (x0's shape) at t [B]: the MSE against
+        noise - x0. noise defaults to standard normal in x0's dtype from the global RNG on x0's device (the
+        objectives of every flow family draw t first, their own way, then this)."""
+        if noise is None:
+            noise = randn(x0.shape, None, x0.device, x0.dtype)
+        return self.mse_per_sample(model_fn(self.noisy(x0, t, noise), t).float(), self.target(x0, noise))
+
     def training_loss(self, model_fn, x0: torch.Tensor, t: torch.Tensor | None = None,
                       noise: torch.Tensor | None = None, image_seq_len: int | None = None,
                       **model_kwargs) -> torch.Tensor:
@@ -181,10 +189,7 @@ class RectifiedFlow:
         """
         if t is None:
             t = self.sample_t(x0.shape[0], x0.device, image_seq_len)
-        if noise is None:
-            noise = randn(x0.shape, None, x0.device, x0.dtype)
-        pred = model_fn(self.noisy(x0, t, noise), t, **model_kwargs)
-        return self.loss_from(pred, x0=x0, noise=noise)
+        return self.losses(lambda x_t, t_: model_fn(x_t, t_, **model_kwargs), x0, t, noise).mean()
 
 
 def _check_distribution(name):

@@ -4,7 +4,7 @@ rectified flow) is a sibling with the same two methods (the contract: opendit.fa
 import torch
 
 from opendit.diffusion import create_diffusion
-from opendit.encoders.vae import encode
+from opendit.encoders.vae import encode, posterior_sample
 
 
 class DiffusionObjective:
@@ -24,7 +24,7 @@ class DiffusionObjective:
         cond = {"y": y.to(device, non_blocking=True)} if self.labels else {}
         if isinstance(x, (list, tuple)):
             mean, std = (t.to(device, non_blocking=True) for t in x)
-            return (mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)) * self.vae_scale, cond
+            return posterior_sample(mean, std) * self.vae_scale, cond
         x = x.to(device, non_blocking=True)
         if self.vae is not None:
             x = encode(self.vae, x, scale=self.vae_scale)

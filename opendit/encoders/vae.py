@@ -115,6 +115,12 @@ def _clips(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def posterior_sample(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """One draw of the posterior N(mean, std^2), mean + std * randn from the global RNG on mean's device: what
+    diffusers' posterior.sample() draws, so training on a cached posterior equals encoding on the fly."""
+    return mean + std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)
+
+
 def posterior_frames(vae, x: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips x [B, 3, T, H, W] in [-1, 1] -> the 2-D VAE's posterior (mean, std), float32 [B, C, T, h, w] on x's
     device, unscaled (scale_latents(mean + std * noise, scale, shift) gives the model's latents); `chunk` frames per

@@ -17,6 +17,7 @@ import torch.nn as nn
 from opendit.checkpoint import load_weights
 from opendit.data import DatasetSpec, distinct_captions
 from opendit.encoders.vae_decode import DecodeOptions
+from opendit.options import opt
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,13 @@ def preview_prompts(dataset, rows: int, model: str) -> list[str]:
         raise ValueError(f"--sample_every: {model} samples from prompts, but the training data has no captions to "
                          f"take them from")
     return prompts
+
+
+@dataclass
+class NegativePromptOption:
+    """sample.py's --negative_prompt, for a text-conditioned family with true classifier-free guidance (its
+    sample options list this among their bases)."""
+    negative_prompt: str = opt("", "with --cfg_scale > 1 (true classifier-free guidance): the unconditional caption")
 
 
 def prompt_conditions(sample_cfg, model: str) -> list[str]:

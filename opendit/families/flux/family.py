@@ -32,8 +32,8 @@ from opendit.encoders.text import (
     t5_encoder_dim,
     text_encoder_dim,
 )
-from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, scale_latents
-from opendit.families.base import ModelSpec, preview_prompts, prompt_conditions
+from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, posterior_sample, scale_latents
+from opendit.families.base import ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.flux.model import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
 from opendit.families.flux.weights import flux_to_diffusers
 from opendit.families.latent import LatentImageFamily, is_none
@@ -68,11 +68,10 @@ class FluxTrainOptions:
 
 
 @dataclass
-class FluxSampleOptions:
+class FluxSampleOptions(NegativePromptOption):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
     t5: str | None = opt(None, "T5 encoder folder; default: the checkpoint's", from_checkpoint=True)
     guidance: float = opt(3.5, "models with a guidance embedding (flux-dev): the guidance they are given")
-    negative_prompt: str = opt("", "with --cfg_scale > 1 (true classifier-free guidance): the unconditional caption")
 
 
 @dataclass
@@ -120,8 +119,7 @@ class FlowObjective:
         vae, scale = self.encoders.vae, self.cfg.vae_scale
         if isinstance(x, (list, tuple)):  # a cached posterior: one sample, drawn as encode() draws it
             mean, std = (t.to(device, non_blocking=True) for t in x)
-            return scale_latents(mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype), scale,
-                                 self.vae_shift)
+            return scale_latents(posterior_sample(mean, std), scale, self.vae_shift)
         x = x.to(device, non_blocking=True)
         return x if vae is None else encode(vae, x, scale=scale, shift=self.vae_shift)
 
@@ -150,11 +148,12 @@ class FlowObjective:
                                    distribution=self.cfg.timestep_sampling)
         else:
             t = t_frac.to(x.device, torch.float32)
-        if noise is None:
-            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
-        pred = model(**flux_inputs(pack_latents(self.flow.noisy(x, t, noise)), h, w, cond["txt"], cond["y"], t,
-                                   self.cfg.guidance if self.guidance_embed else None))
-        return self.flow.mse_per_sample(unpack_latents(pred.float(), h, w), self.flow.target(x, noise)), t
+        guidance = self.cfg.guidance if self.guidance_embed else None
+
+        def velocity(x_t, t):
+            pred = model(**flux_inputs(pack_latents(x_t), h, w, cond["txt"], cond["y"], t, guidance))
+            return unpack_latents(pred, h, w)
+        return self.flow.losses(velocity, x, t, noise), t
 
 
 def flux_inputs(img, h: int, w: int, txt, y, t, guidance: float | None) -> dict:

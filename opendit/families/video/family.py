@@ -21,8 +21,9 @@ from opendit.diffusion import SAMPLERS
 from opendit.diffusion.flow import RectifiedFlow, cfg_velocity, euler_sample
 from opendit.diffusion.objective import DiffusionObjective
 from opendit.encoders.text import CLIP_SOURCE, FixedEmbeddings, encoder_dtype, load_text_encoder, text_encoder_dim
-from opendit.encoders.vae import decode_frames, load_vae, posterior_frames
+from opendit.encoders.vae import decode_frames, load_vae, posterior_frames, posterior_sample
 from opendit.families.base import ModelSpec, match_registry, preview_prompts
+from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.gaussian import (
     GaussianDiffusionFamily,
     GaussianSampleOptions,
@@ -32,7 +33,6 @@ from opendit.families.gaussian import (
 from opendit.families.latent import check_multiple, is_none, latent_geometry
 from opendit.families.video.latte import Latte
 from opendit.families.video.vdit import VDiT
-from opendit.families.writers import VideoWriter
 from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
 from opendit.models.layers import Attention
 from opendit.options import opt
@@ -59,10 +59,7 @@ CLIP_HELP = ("a local CLIP text encoder folder (transformers save_pretrained lay
 
 
 @dataclass
-class VideoTrainOptions(GaussianTrainOptions):
-    num_frames: int | None = opt(None, "frames per clip; default: a latent cache's, else 16", check="positive")
-    frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
-                                     check="positive")
+class VideoTrainOptions(ClipTrainOptions, GaussianTrainOptions):
     clip: str = opt("none", CLIP_HELP + "; captions then condition instead of class labels")
     objective: str = opt("diffusion", "diffusion: IDDPM (DDPM / DDIM sampling); flow: flow matching (the model "
                                       "predicts the velocity at logit-normal t, Euler sampling; implies "
@@ -70,18 +67,8 @@ class VideoTrainOptions(GaussianTrainOptions):
 
 
 @dataclass
-class VideoSampleOptions(GaussianSampleOptions):
+class VideoSampleOptions(ClipSampleOptions, GaussianSampleOptions):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
-    fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
-                                "the model's, 16)", check="positive")
-    num_frames: int | None = opt(None, "frames per clip to sample, a multiple of the model's temporal patch; "
-                                       "default: the trained --num_frames", check="positive")
-
-
-@dataclass
-class VideoCacheOptions:
-    num_frames: int = opt(16, "frames per clip", check="positive")
-    frame_interval: int = opt(1, "take every k-th frame of the source video", check="positive")
 
 
 @dataclass
@@ -109,8 +96,7 @@ class VideoDiffusionObjective(DiffusionObjective):
             mean, std = posterior_frames(self.vae, x.to(device, non_blocking=True))
         else:
             mean, std = x.to(device, non_blocking=True), None
-        x = mean if std is None else (mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)) * \
-            self.vae_scale
+        x = mean if std is None else posterior_sample(mean, std) * self.vae_scale
         if self.text is None:
             return x, {"y": y.to(device, non_blocking=True)}
         drop = (torch.rand(len(captions)) < (self.drop_prob if train else 0.0)).tolist()  # same on SP ranks
@@ -129,10 +115,7 @@ class VideoFlowObjective(VideoDiffusionObjective):
     def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation)."""
         t = self.flow.sample_t(x.shape[0], x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
-        if noise is None:
-            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
-        pred = model(self.flow.noisy(x, t, noise), t * 1000, **cond)
-        return self.flow.mse_per_sample(pred.float(), self.flow.target(x, noise)), t
+        return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, **cond), x, t, noise), t
 
 
 @dataclass
@@ -170,21 +153,20 @@ def video_train_flops_per_sample(model: nn.Module) -> float:
     return 3 * 2 * float(video_forward_macs(model))
 
 
-class VideoDiffusionFamily(GaussianDiffusionFamily):
+class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
     name = "video"
     models = VIDEO_MODELS
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
-    defaults_help = {"cfg_scale": "video DiTs 4", "num_sampling_steps": "video DiTs 250, with --objective flow 50",
+    defaults_help = {"fps": "video DiTs 8", "cfg_scale": "video DiTs 4",
+                     "num_sampling_steps": "video DiTs 250, with --objective flow 50",
                      "sampler": "video DiTs: ddpm (default) or ddim; euler with --objective flow",
                      "vae_scale": "video DiTs: SD's 0.18215"}
-    cache_keys = ("num_frames", "frame_interval")
     checkpoint_formats = ("an official Latte .pt",)
     cache_thresholds = {"teacache": 0.5, "fbcache": 0.05}  # benchmarks/README.md: Latte digits, >= 2x, none lost
     train_options = VideoTrainOptions
     sample_options = VideoSampleOptions
-    cache_options = VideoCacheOptions
-    default_num_frames, default_frame_interval = 16, 1
+    cache_options = ClipCacheOptions
 
     def patch_size(self, cfg) -> int:
         patch = self.models[cfg.model].arch["patch_size"]
@@ -196,10 +178,7 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
-        cfg = dataclasses.replace(super().fill_defaults(cfg), num_frames=cfg.num_frames or self.default_num_frames,
-                                  frame_interval=cfg.frame_interval or self.default_frame_interval)
-        if cfg.num_frames < 1 or cfg.frame_interval < 1:
-            raise ValueError(f"--num_frames {cfg.num_frames} and --frame_interval {cfg.frame_interval} must be >= 1")
+        cfg = super().fill_defaults(cfg)
         return dataclasses.replace(cfg, learn_sigma=False) if cfg.objective == "flow" else cfg
 
     def load_encoders(self, cfg, device, training: bool) -> VideoEncoders:
@@ -219,12 +198,6 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
             raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has captions but no labels; pass "
                              f"--clip <a local CLIP text encoder folder> to condition on them")
         return dataset, cfg
-
-    def bucket_frames(self, cfg, encoders) -> tuple[int, ...]:
-        frames = tuple(cfg.bucket_frames) or (cfg.num_frames,)
-        for count in frames:  # the same errors as a --num_frames the model cannot take
-            self.latent_shape(dataclasses.replace(cfg, num_frames=count), encoders)
-        return frames
 
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
@@ -361,10 +334,6 @@ class VideoDiffusionFamily(GaussianDiffusionFamily):
             out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, **kwargs).float()
             return cfg_velocity(out[:n], out[n:], scale)
         return euler_sample(velocity, z.to(device), torch.linspace(1, 0, sampler.steps + 1), sampler.progress)
-
-    def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
-        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,
-                           frames=sample_cfg.num_frames or cfg.num_frames)
 
     # ---- previews ------------------------------------------------------------------------------------------
     def preview_settings(self, cfg) -> dict:

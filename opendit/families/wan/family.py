@@ -27,13 +27,14 @@ from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinc
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
 from opendit.diffusion.sampling import progress_interval
 from opendit.encoders.text import FixedEmbeddings, encoder_dtype
-from opendit.families.base import MemoryProbe, ModelSpec, preview_prompts, prompt_conditions
+from opendit.encoders.vae import posterior_sample
+from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
+from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
 from opendit.families.wan.weights import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
-from opendit.families.writers import VideoWriter
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -50,11 +51,8 @@ SAMPLERS = ("unipc", "euler")
 
 
 @dataclass
-class WanTrainOptions:
+class WanTrainOptions(ClipTrainOptions):
     umt5: str = opt("none", UMT5_HELP + ", required")
-    num_frames: int | None = opt(None, "frames per clip; default: a latent cache's, else 16", check="positive")
-    frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
-                                     check="positive")
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
     timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, then the time shift",
                                  TIMESTEP_SAMPLINGS)
@@ -63,21 +61,14 @@ class WanTrainOptions:
 
 
 @dataclass
-class WanSampleOptions:
+class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
     umt5: str | None = opt(None, "UMT5 encoder folder; default: the checkpoint's", from_checkpoint=True)
-    negative_prompt: str = opt("", "with --cfg_scale > 1 (true classifier-free guidance): the unconditional caption")
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
-    fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's (video 8, Wan: "
-                                "the model's, 16)", check="positive")
-    num_frames: int | None = opt(None, "frames per clip to sample (1 + 4k with Wan's VAE); default: the trained "
-                                       "--num_frames", check="positive")
 
 
 @dataclass
-class WanCacheOptions:
+class WanCacheOptions(ClipCacheOptions):
     umt5: str = opt("none", "the UMT5 encoder folder whose token embeddings to cache")
-    num_frames: int = opt(16, "frames per clip", check="positive")
-    frame_interval: int = opt(1, "take every k-th frame of the source video", check="positive")
 
 
 @dataclass
@@ -115,7 +106,7 @@ class WanFlowObjective:
             mean, std = wan_posterior(self.encoders.vae, x.to(device, non_blocking=True))
         else:
             return x.to(device, non_blocking=True)
-        return mean + std * torch.randn(mean.shape, device=device, dtype=mean.dtype)
+        return posterior_sample(mean, std)
 
     def prepare(self, batch, device, train: bool = True):
         context = batch[3].to(device).float() if len(batch) == 4 else self.encoders.encode(list(batch[2]), device)
@@ -130,10 +121,7 @@ class WanFlowObjective:
             t = shift_times(self.flow.sample_t(x.shape[0], x.device), self.shift)
         else:
             t = t_frac.to(x.device, torch.float32)
-        if noise is None:
-            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype)
-        pred = model(self.flow.noisy(x, t, noise), t * 1000, cond["context"])
-        return self.flow.mse_per_sample(pred.float(), self.flow.target(x, noise)), t
+        return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"]), x, t, noise), t
 
 
 def wan_forward_macs(model: nn.Module, video_tokens: int) -> int:
@@ -176,15 +164,16 @@ def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float, progres
     return x
 
 
-class WanFamily(LatentImageFamily):
+class WanFamily(ClipFamily, LatentImageFamily):
     name = "wan"
     models = WAN_MODELS
     lora_targets = r"blocks\.\d+\.((self|cross)_attn\.[qkvo]|ffn\.[02])"  # attention and MLP Linears
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     samplers = SAMPLERS
-    defaults_help = {"cfg_scale": "Wan2.1 5, Wan-debug 3", "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
+    defaults_help = {"fps": "Wan: the model's (Wan2.1 16, Wan-debug 4)", "cfg_scale": "Wan2.1 5, Wan-debug 3",
+                     "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
                      "sampler": "Wan: unipc (default) or euler", "vae_scale": "Wan 1: its VAE normalises per channel"}
-    cache_keys = ("num_frames", "frame_interval", "umt5")
+    cache_keys = (*ClipFamily.cache_keys, "umt5")
     checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
                           "a diffusers Wan folder (transformer/)")
     train_options = WanTrainOptions
@@ -192,7 +181,6 @@ class WanFamily(LatentImageFamily):
     cache_options = WanCacheOptions
     cache_thresholds = {"teacache": 0.05, "fbcache": 0.05}  # not measured yet: sample_accel.py has no Wan demo
     default_vae_scale = 1.0  # Wan's latents are normalised per channel by the VAE's own mean and std instead
-    default_num_frames, default_frame_interval = 16, 1
 
     def patch_size(self, cfg) -> int:
         return self.models[cfg.model].arch["patch_size"][-1]
@@ -211,8 +199,7 @@ class WanFamily(LatentImageFamily):
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
         cfg = super().fill_defaults(cfg)
-        return dataclasses.replace(cfg, num_classes=0, num_frames=cfg.num_frames or self.default_num_frames,
-                                   frame_interval=cfg.frame_interval or self.default_frame_interval,
+        return dataclasses.replace(cfg, num_classes=0,
                                    flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"))
 
     def text_len(self, cfg) -> int:
@@ -256,12 +243,6 @@ class WanFamily(LatentImageFamily):
     # ---- model ---------------------------------------------------------------------------------------------
     def size_step(self, cfg, encoders) -> int:
         return (1 if encoders.vae is None else wan_factors(encoders.vae)[2]) * self.patch_size(cfg)
-
-    def bucket_frames(self, cfg, encoders) -> tuple[int, ...]:
-        frames = tuple(cfg.bucket_frames) or (cfg.num_frames,)
-        for count in frames:  # the same errors as a --num_frames the model cannot take
-            self.latent_shape(dataclasses.replace(cfg, num_frames=count), encoders)
-        return frames
 
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
         """(C, T', h, w): from a cache, else from the frames, size and VAE (pixel space: the data's channels)."""
@@ -395,10 +376,6 @@ class WanFamily(LatentImageFamily):
     def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
         vae = loaded.encoders.vae
         return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents, loaded.vae_decode)
-
-    def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
-        return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,
-                           frames=sample_cfg.num_frames or cfg.num_frames)
 
     def sampling_encoders(self, cfg, encoders: WanEncoders, device) -> WanEncoders:
         """Trained on a cache: the VAE to decode (the previews' prompts are already embedded)."""
