@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from opendit import optim as lean
-from opendit.training.optimizer import OptimizerOptions, build_train_optimizer
+from opendit.optim import build_optimizer
+from opendit.training.optimizer import run_optimizer_settings
 from tests.test_train import run_trainer, tiny_cfg
 
 LEAN_U16 = dict(optimizer_state_dtype="u16", optimizer_offload=True)
@@ -25,18 +26,19 @@ def train(outputs, **kw):
     return trainer, losses
 
 
-@pytest.mark.parametrize("opts, kind", [
-    (OptimizerOptions(), torch.optim.AdamW),  # all defaults: torch's AdamW, as before these flags
-    (OptimizerOptions(state_dtype="bf16"), lean.AdamW),
-    (OptimizerOptions(offload=True), lean.AdamW),
-    (OptimizerOptions(fused_backward=True), lean.AdamW),
-    (OptimizerOptions(name="nadamw"), lean.NAdamW),
-    (OptimizerOptions(name="adan"), lean.Adan),
-    (OptimizerOptions(name="adafactor"), torch.optim.Adafactor),
+@pytest.mark.parametrize("flags, kind", [
+    ({}, torch.optim.AdamW),  # all defaults: torch's AdamW, as before these flags
+    ({"optimizer_state_dtype": "bf16"}, lean.AdamW),
+    ({"optimizer_offload": True}, lean.AdamW),
+    ({"fused_backward": True}, lean.AdamW),
+    ({"optimizer": "nadamw"}, lean.NAdamW),
+    ({"optimizer": "adan"}, lean.Adan),
+    ({"optimizer": "adafactor"}, torch.optim.Adafactor),
 ])
-def test_flags_pick_the_optimizer(opts, kind):
+def test_flags_pick_the_optimizer(flags, kind, tmp_path):
     model = torch.nn.Linear(4, 3)
-    opt = build_train_optimizer(model.parameters(), opts, lr=1e-3, weight_decay=0.01)
+    settings = run_optimizer_settings(tiny_cfg(tmp_path, lr=1e-3, weight_decay=0.01, **flags))
+    opt = build_optimizer(model.parameters(), settings, hooks=False)
     assert type(opt) is kind
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.01
 

@@ -20,7 +20,8 @@ import torch.nn as nn
 from opendit.booster.parallelize import apply_compile
 from opendit.booster.precision import cast_forward_io
 from opendit.kernels import probe_optional_imports
-from opendit.training.optimizer import OptimizerOptions, build_train_optimizer, cast_for_master_weights
+from opendit.optim import build_optimizer
+from opendit.training.optimizer import cast_for_master_weights
 
 PRECISIONS = ("fp32", "autocast_bf16", "bf16_master")
 COMPILE_TARGETS = (None, "model", "blocks")
@@ -57,8 +58,8 @@ class TrainStep:
         if precision == "bf16_master":
             cast_for_master_weights(model, "fp32_copy")
             cast_forward_io(model, torch.bfloat16)
-            self.optimizer = build_train_optimizer(params, OptimizerOptions(master_weights="fp32_copy"), lr=lr,
-                                                   weight_decay=weight_decay)
+            self.optimizer = build_optimizer(params, "adamw", master_weights="fp32_copy", lr=lr,
+                                             weight_decay=weight_decay)
             self.optimizer.multi_tensor = fused_adamw
         else:
             # fused=None lets torch pick its default (foreach on CUDA): the published recipe's optimizer

@@ -23,13 +23,12 @@ from opendit.kernels import configure_kernels
 from opendit.parallel import enable_sequence_parallel, plan_of
 from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_module_map,
                               weights_fingerprint)
-from opendit.optim import LeanOptimizer
+from opendit.optim import LeanOptimizer, build_optimizer
 from opendit.perf import MFUMeter
 from opendit.seeding import rng_state, seed_everything, set_rng_state
 from opendit.training.guard import PeerLostError, StepGuard, lost_peer
 from opendit.training.run_checks import validate_run
-from opendit.training.optimizer import (build_train_optimizer, cast_for_master_weights,
-                                        prepare_boosted_optimizer)
+from opendit.training.optimizer import cast_for_master_weights, prepare_boosted_optimizer
 from opendit.training.preview import Previewer, gather_preview_weights
 from opendit.training.validation import BucketSums, TrainingPart, Validator, holdout, spread
 from opendit.training.run_log import RunLogger, setup_logging
@@ -114,8 +113,8 @@ class Trainer:
 
     # ---- set-up helpers -----------------------------------------------------------------------------------------
     def _validated_booster(self, cfg) -> Booster:
-        plugin, self.optim_opts, self.sp_kind = validate_run(cfg, self.family.models[cfg.model], self.dist.world_size,
-                                                             self.dist.device)
+        plugin, self.optim_settings, self.sp_kind = validate_run(cfg, self.family.models[cfg.model],
+                                                                 self.dist.world_size, self.dist.device)
         return Booster(plugin)
 
     def _build_model(self) -> torch.nn.Module:
@@ -185,7 +184,7 @@ class Trainer:
             logger.info("aspect-ratio buckets (--buckets %s):\n%s", cfg.buckets, bucket_summary(
                 self.loader.sampler.groups, self.dataset.buckets.buckets, cfg.batch_size))
         # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter
-        self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_opts, cfg.grad_accum)
+        self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_settings)
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
             logger.info("optimizer step: torch's fused AdamW kernel over all parameters at once (multi-tensor)")
         self.ema = None if cfg.ema_decay == 0 else ShardedEMA(  # 0: no EMA, the weights themselves are sampled
@@ -205,14 +204,9 @@ class Trainer:
         logger.info("resumed from %s at step %d", self.resume_from, self.step)
 
     def _build_optimizer(self, model) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        # torch AdamW's fused kernel needs every parameter on the GPU at step time
-        fused_kernel = self.dist.device.type == "cuda" and cfg.plugin != "gemini" and not cfg.blocks_to_swap
-        optimizer = build_train_optimizer([p for p in model.parameters() if p.requires_grad], self.optim_opts,
-                                          lr=cfg.lr, weight_decay=cfg.weight_decay, fused_kernel=fused_kernel,
-                                          seed=cfg.global_seed)
-        logger.info("optimizer %s%s", type(optimizer).__name__,
-                    f" ({self.optim_opts})" if self.optim_opts.lean else "")
+        settings = self.optim_settings  # the fused-backward hooks go on the boosted parameters, later
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], settings, hooks=False)
+        logger.info("optimizer %s%s", type(optimizer).__name__, f" ({settings})" if settings.lean else "")
         return optimizer
 
     def _resolve_resume(self, cfg):

@@ -12,35 +12,37 @@ Lean options: --optimizer_offload, --optimizer_state_dtype != fp32, --master_wei
 --fused_backward. States exist for this rank's shard only (FSDP2) and are saved as DTensors with the
 parameter's placements, so Distributed Checkpoint saves, reshards and restores them exactly.
 """
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from opendit.booster import PLUGINS
-from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES, LeanOptimizer, attach_fused_backward, build_optimizer
+from opendit.optim import (FORMATS, MASTER_MODES, OPTIMIZER_NAMES, LeanOptimizer, OptimizerSettings,
+                           attach_fused_backward)
 
 SHARDED_PLUGINS = tuple(name for name, plugin in PLUGINS.items() if plugin.sharded)
 
 
-@dataclass(frozen=True)
-class OptimizerOptions:
-    name: str = "adamw"
-    offload: bool = False
-    state_dtype: str = "fp32"
-    master_weights: str = "fp32"
-    fused_backward: bool = False
+def run_optimizer_settings(cfg, device=None) -> OptimizerSettings:
+    """The optimizer a run's flags ask for (see the table above): --optimizer adamw without a lean option is
+    torch's AdamW, with its single-kernel step where every parameter is on the GPU at step time (not under
+    --plugin gemini or --blocks_to_swap)."""
+    fused_kernel = device is not None and torch.device(device).type == "cuda" and cfg.plugin != "gemini" and \
+        not cfg.blocks_to_swap
+    settings = OptimizerSettings(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 state_device="cpu" if cfg.optimizer_offload else "gpu",
+                                 state_dtype=cfg.optimizer_state_dtype, master_weights=cfg.master_weights,
+                                 fused_backward=cfg.fused_backward, grad_accum_steps=cfg.grad_accum,
+                                 seed=cfg.global_seed, fused_kernel=fused_kernel)
+    return dataclasses.replace(settings, name="torch_adamw") if settings.name == "adamw" and not settings.lean \
+        else settings
 
-    @property
-    def lean(self) -> bool:
-        """True when opendit's optimizer is needed (torch's AdamW has none of these options)."""
-        return self.name in ("nadamw", "adan") or self.offload or self.state_dtype != "fp32" or \
-            self.master_weights != "fp32" or self.fused_backward
 
-
-def validate_optimizer(opts: OptimizerOptions, *, plugin: str, world_size: int, mixed_precision: str,
-                       grad_accum: int, grad_clip: float, blocks_to_swap: int = 0) -> None:
+def validate_optimizer(opts: OptimizerSettings, *, plugin: str, world_size: int, mixed_precision: str,
+                       grad_clip: float, blocks_to_swap: int = 0) -> None:
     """Raise ValueError naming the flag and the fix for every combination that cannot train correctly."""
-    for flag, value, valid in (("--optimizer", opts.name, OPTIMIZER_NAMES),
+    name = "adamw" if opts.name == "torch_adamw" else opts.name
+    for flag, value, valid in (("--optimizer", name, OPTIMIZER_NAMES),
                                ("--optimizer_state_dtype", opts.state_dtype, FORMATS),
                                ("--master_weights", opts.master_weights, MASTER_MODES)):
         if value not in valid:
@@ -58,8 +60,8 @@ def validate_optimizer(opts: OptimizerOptions, *, plugin: str, world_size: int, 
                          f"must be bf16 too, got --mixed_precision {mixed_precision}; add --mixed_precision bf16 "
                          "or use --master_weights fp32")
     if opts.fused_backward:
-        _validate_fused(plugin, world_size, mixed_precision, grad_accum, grad_clip)
-        if blocks_to_swap and not opts.offload:
+        _validate_fused(plugin, world_size, mixed_precision, opts.grad_accum_steps, grad_clip)
+        if blocks_to_swap and opts.state_device != "cpu":
             raise ValueError(f"--blocks_to_swap {blocks_to_swap} with --fused_backward needs --optimizer_offload: "
                              "the swapped blocks update on the GPU inside backward, so their states would be "
                              "made there and cost more memory than swapping saves")
@@ -98,21 +100,7 @@ def cast_for_master_weights(model: torch.nn.Module, master_weights: str) -> int:
     return count
 
 
-def build_train_optimizer(params, opts: OptimizerOptions, lr: float, weight_decay: float,
-                          fused_kernel: bool = False, seed: int = 0) -> torch.optim.Optimizer:
-    """The optimizer over `params` (trainable parameters, before boosting). fused_kernel: torch AdamW's
-    single-kernel step (params on CUDA). seed: bf16_stochastic rounding noise."""
-    params = list(params)
-    if opts.name == "adamw" and not opts.lean:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused_kernel else None)
-    if opts.name == "adafactor":
-        return build_optimizer(params, "adafactor", lr=lr, weight_decay=weight_decay)
-    return build_optimizer(params, opts.name, lr=lr, weight_decay=weight_decay,
-                           state_device="cpu" if opts.offload else "gpu", state_dtype=opts.state_dtype,
-                           master_weights=opts.master_weights, seed=seed)
-
-
-def prepare_boosted_optimizer(optimizer: torch.optim.Optimizer, opts: OptimizerOptions, grad_accum: int = 1):
+def prepare_boosted_optimizer(optimizer: torch.optim.Optimizer, opts: OptimizerSettings):
     """After booster.boost: allocate a lean optimizer's states and attach the fused-backward hooks to the
     boosted (sharded) parameters. Returns the FusedBackward handle or None.
 
@@ -122,5 +110,5 @@ def prepare_boosted_optimizer(optimizer: torch.optim.Optimizer, opts: OptimizerO
     if isinstance(optimizer, LeanOptimizer):
         optimizer.init_states()
     if opts.fused_backward:
-        return attach_fused_backward(optimizer, grad_accum)
+        return attach_fused_backward(optimizer, opts.grad_accum_steps)
     return None
