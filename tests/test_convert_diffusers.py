@@ -15,7 +15,7 @@ from diffusers.models.embeddings import get_timestep_embedding
 from opendit.checkpoint import load_weights
 from opendit.families import get_family
 from opendit.models import layers
-from opendit.families.dit.weights import dit_from_diffusers, dit_to_diffusers, load_diffusers_dit
+from opendit.families.dit.weights import DIT_WEIGHTS
 from opendit.families.dit.model import DiT
 
 # fp32 on both sides; the same ops in the same order give (here) identical results, 1e-5 leaves room for an
@@ -59,7 +59,7 @@ def inputs():
 def test_converted_weights_give_the_same_output_as_diffusers():
     ours = ours_model()
     peer = peer_model()
-    peer.load_state_dict(dit_to_diffusers(ours.state_dict(), depth=2), strict=True)
+    peer.load_state_dict(DIT_WEIGHTS.to_diffusers(ours.state_dict(), depth=2), strict=True)
     x, t, y = inputs()
     expected = ours(x, t, y)
     got = peer(x, t, y).sample
@@ -70,7 +70,7 @@ def test_converted_weights_give_the_same_output_as_diffusers():
 @torch.no_grad()
 def test_stock_diffusers_differs_only_in_timestep_frequencies(monkeypatch):
     ours, peer = ours_model(), peer_model(dit_math=False)
-    peer.load_state_dict(dit_to_diffusers(ours.state_dict()), strict=True)
+    peer.load_state_dict(DIT_WEIGHTS.to_diffusers(ours.state_dict()), strict=True)
     x, t, y = inputs()
     gap = (peer(x, t, y).sample - ours(x, t, y)).abs().max()
     assert gap > 1e-3  # the frequency denominator changes the output visibly
@@ -83,35 +83,35 @@ def test_stock_diffusers_differs_only_in_timestep_frequencies(monkeypatch):
 def test_round_trips_are_bitwise():
     for dtype in (torch.float32, torch.bfloat16):
         sd = ours_model().to(dtype).state_dict()
-        back = dit_from_diffusers(dit_to_diffusers(sd), sample_size=8)
+        back = DIT_WEIGHTS.from_diffusers(DIT_WEIGHTS.to_diffusers(sd), {"input_size": 8})
         assert back.keys() == sd.keys()
         assert all(back[k].dtype == dtype and torch.equal(back[k], sd[k]) for k in sd)
     peer_sd = peer_model().state_dict()
     for key in [k for k in peer_sd if ".norm1.emb." in k and k.startswith("transformer_blocks.1.")]:
         peer_sd[key] = peer_sd[key.replace("blocks.1.", "blocks.0.")].clone()  # DiT shares one embedder
-    again = dit_to_diffusers(dit_from_diffusers(peer_sd, sample_size=8))
+    again = DIT_WEIGHTS.to_diffusers(DIT_WEIGHTS.from_diffusers(peer_sd, {"input_size": 8}))
     assert again.keys() == peer_sd.keys() and all(torch.equal(again[k], peer_sd[k]) for k in peer_sd)
 
 
 def test_unconvertible_weights_are_refused():
     sd = ours_model().state_dict()
     with pytest.raises(ValueError, match="learned position embedding"):
-        dit_to_diffusers({**sd, "pos_embed": sd["pos_embed"] + 0.1})
+        DIT_WEIGHTS.to_diffusers({**sd, "pos_embed": sd["pos_embed"] + 0.1})
     with pytest.raises(ValueError, match="depth=3"):
-        dit_to_diffusers(sd, depth=3)
+        DIT_WEIGHTS.to_diffusers(sd, depth=3)
     with pytest.raises(KeyError, match="'module.' or 'transformer.'"):
-        dit_to_diffusers({("module." + k if k.startswith("final") else k): v for k, v in sd.items()})
-    theirs = dit_to_diffusers(sd)
+        DIT_WEIGHTS.to_diffusers({("module." + k if k.startswith("final") else k): v for k, v in sd.items()})
+    theirs = DIT_WEIGHTS.to_diffusers(sd)
     key = "transformer_blocks.1.norm1.emb.timestep_embedder.linear_1.weight"
     with pytest.raises(ValueError, match="differs from block 0"):
-        dit_from_diffusers({**theirs, key: theirs[key] + 1}, sample_size=8)
+        DIT_WEIGHTS.from_diffusers({**theirs, key: theirs[key] + 1}, {"input_size": 8})
 
 
 @torch.no_grad()
 def test_load_weights_reads_model_and_pipeline_folders(tmp_path):
     ours = ours_model()
     peer = peer_model()
-    peer.load_state_dict(dit_to_diffusers(ours.state_dict()), strict=True)
+    peer.load_state_dict(DIT_WEIGHTS.to_diffusers(ours.state_dict()), strict=True)
     peer.save_pretrained(tmp_path / "pipe" / "transformer")  # config.json + diffusion_pytorch_model.safetensors
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
     x, t, y = inputs()
@@ -123,7 +123,7 @@ def test_load_weights_reads_model_and_pipeline_folders(tmp_path):
         torch.testing.assert_close(fresh(x, t, y), ours(x, t, y), atol=0, rtol=0)
         with pytest.raises(ValueError, match="is a folder but not a checkpoint"):
             load_weights(str(folder))
-    kwargs, sd = load_diffusers_dit(tmp_path / "pipe")
+    kwargs, sd = DIT_WEIGHTS.load_diffusers(tmp_path / "pipe")
     assert kwargs == {"input_size": 8, "patch_size": 2, "in_channels": 4, "hidden_size": 64, "depth": 2,
                       "num_heads": 4, "num_classes": 10, "learn_sigma": True, "mlp_ratio": 4.0}
     DiT(**kwargs).load_state_dict(sd, strict=True)
@@ -134,18 +134,18 @@ def test_load_weights_reads_model_and_pipeline_folders(tmp_path):
 def test_bad_folders_get_clear_errors(tmp_path):
     (tmp_path / "vae").mkdir()
     (tmp_path / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL"}))
-    with pytest.raises(ValueError, match="not a DiT transformer"):
-        load_diffusers_dit(tmp_path / "vae")
+    with pytest.raises(ValueError, match="'AutoencoderKL', not a DiTTransformer2DModel"):
+        DIT_WEIGHTS.load_diffusers(tmp_path / "vae")
     (tmp_path / "empty").mkdir()
     cfg = dict(peer_model().config)
     (tmp_path / "empty" / "config.json").write_text(json.dumps({**cfg, "_class_name": "DiTTransformer2DModel"}))
-    with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model.safetensors"):
-        load_diffusers_dit(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="holds no weights: expected one diffusion_pytorch_model.safetensors"):
+        DIT_WEIGHTS.load_diffusers(tmp_path / "empty")
     (tmp_path / "geglu").mkdir()
     (tmp_path / "geglu" / "config.json").write_text(json.dumps({**cfg, "_class_name": "DiTTransformer2DModel",
                                                                  "activation_fn": "geglu"}))
     with pytest.raises(ValueError, match="cannot compute"):
-        load_diffusers_dit(tmp_path / "geglu")
+        DIT_WEIGHTS.load_diffusers(tmp_path / "geglu")
     (tmp_path / "pipe_no_transformer").mkdir()
     (tmp_path / "pipe_no_transformer" / "model_index.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="transformer/config.json"):
@@ -160,7 +160,7 @@ def test_sample_py_loads_a_diffusers_folder(tmp_path):
 
     ours = ours_model()
     peer = peer_model()
-    peer.load_state_dict(dit_to_diffusers(ours.state_dict()), strict=True)
+    peer.load_state_dict(DIT_WEIGHTS.to_diffusers(ours.state_dict()), strict=True)
     peer.save_pretrained(tmp_path / "dit")
     # no VAE offline: sample its 8x8 latent space directly (the folder alone implies sd-vae-ft-ema at 64 px)
     cfg = SampleConfig(ckpt=str(tmp_path / "dit"), vae="none", image_size=8, in_channels=4)

@@ -30,7 +30,7 @@ from opendit.families.flux.model import (
     text_ids,
     unpack_latents,
 )
-from opendit.families.flux.weights import flux_config_from_diffusers, flux_from_diffusers, flux_to_diffusers
+from opendit.families.flux.weights import FLUX_WEIGHTS
 from opendit.kernels import set_kernels
 from opendit.parallel import enable_sequence_parallel
 from tests.distributed import run_distributed
@@ -219,11 +219,11 @@ def _peer(guidance: bool):
 @torch.no_grad()
 def test_converted_diffusers_weights_give_the_same_output(guidance):
     peer = _peer(guidance)
-    kwargs = flux_config_from_diffusers(peer.config)
+    kwargs = FLUX_WEIGHTS.arch_from_diffusers(peer.config)
     assert kwargs["guidance_embed"] is guidance and kwargs["hidden_size"] == 32 and kwargs["out_channels"] == 16
     ours = Flux(**kwargs).eval()
     theirs = peer.state_dict()
-    ours.load_state_dict(flux_from_diffusers(theirs), strict=True)
+    ours.load_state_dict(FLUX_WEIGHTS.from_diffusers(theirs), strict=True)
     inp = flux_inputs(seed=3, n_txt=7, latent=8, cfg=kwargs)
     if not guidance:
         inp["guidance"] = None
@@ -234,9 +234,9 @@ def test_converted_diffusers_weights_give_the_same_output(guidance):
     assert expected.abs().mean() > 0.1
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # round trips are the identity, key by key
-    back = flux_to_diffusers(ours.state_dict())
+    back = FLUX_WEIGHTS.to_diffusers(ours.state_dict())
     assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in theirs)
-    again = flux_from_diffusers(back)
+    again = FLUX_WEIGHTS.from_diffusers(back)
     assert again.keys() == ours.state_dict().keys()
     assert all(torch.equal(again[k], v) for k, v in ours.state_dict().items())
 
@@ -244,13 +244,13 @@ def test_converted_diffusers_weights_give_the_same_output(guidance):
 def test_conversion_errors_name_the_key():
     sd = tiny_flux().state_dict()
     with pytest.raises(KeyError, match="single_blocks.0.linear1.bias"):
-        flux_to_diffusers({k: v for k, v in sd.items() if k != "single_blocks.0.linear1.bias"})
+        FLUX_WEIGHTS.to_diffusers({k: v for k, v in sd.items() if k != "single_blocks.0.linear1.bias"})
     with pytest.raises(ValueError, match="lora"):
-        flux_to_diffusers({**sd, "double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(1)})
+        FLUX_WEIGHTS.to_diffusers({**sd, "double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(1)})
     with pytest.raises(KeyError, match="model.diffusion_model"):
-        flux_to_diffusers({f"model.diffusion_model.{k}": v for k, v in sd.items()})
+        FLUX_WEIGHTS.to_diffusers({f"model.diffusion_model.{k}": v for k, v in sd.items()})
     with pytest.raises(ValueError, match="FluxTransformer2DModel"):
-        flux_config_from_diffusers({"_class_name": "SD3Transformer2DModel"})
+        FLUX_WEIGHTS.arch_from_diffusers({"_class_name": "SD3Transformer2DModel"})
 
 
 # ------------------------------------------------------------------------------------ sequence parallelism

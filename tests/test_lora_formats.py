@@ -23,7 +23,7 @@ from opendit.lora import (Adapter, add_lora, attach_adapters, linear_names, load
 from opendit.lora.__main__ import main as lora_main
 from opendit.lora.formats import METADATA_KEY, read_file
 from opendit.lora.run import apply_lora_files, family_module_map, parse_lora_spec
-from opendit.families.flux.weights import flux_config_from_diffusers, flux_from_diffusers
+from opendit.families.flux.weights import FLUX_WEIGHTS
 from opendit.families.dit.model import DiT
 from opendit.families.flux.model import Flux
 from tests.test_flux_model import TINY as FLUX_TINY
@@ -68,9 +68,9 @@ def _same_adapters(a: dict, b: dict) -> bool:
 def _flux_pair():
     """A tiny diffusers FluxTransformer2DModel (random weights) and our Flux with the same weights."""
     peer = flux_peer(True)
-    kwargs = flux_config_from_diffusers(peer.config)
+    kwargs = FLUX_WEIGHTS.arch_from_diffusers(peer.config)
     ours = Flux(**kwargs).eval()
-    ours.load_state_dict(flux_from_diffusers(peer.state_dict()), strict=True)
+    ours.load_state_dict(FLUX_WEIGHTS.from_diffusers(peer.state_dict()), strict=True)
     return peer, ours, flux_inputs(seed=3, n_txt=7, latent=8, cfg=kwargs)
 
 

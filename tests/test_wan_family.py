@@ -215,7 +215,7 @@ def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
     from diffusers import WanTransformer3DModel
 
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
-    from opendit.families.wan.weights import diffusers_config, wan_to_diffusers
+    from opendit.families.wan.weights import WAN_WEIGHTS
     from opendit.families.wan.model import WAN_CONFIGS, WanModel
 
     torch.manual_seed(0)
@@ -223,8 +223,8 @@ def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0, 0.05)
-    theirs = WanTransformer3DModel(**diffusers_config(WAN_CONFIGS["Wan-debug"]))
-    theirs.load_state_dict(wan_to_diffusers(ours.state_dict()), strict=True)
+    theirs = WanTransformer3DModel(**WAN_WEIGHTS.arch_to_diffusers(WAN_CONFIGS["Wan-debug"]))
+    theirs.load_state_dict(WAN_WEIGHTS.to_diffusers(ours.state_dict()), strict=True)
     theirs.save_pretrained(folder / "transformer")
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))  # as the hub's folders
     shutil.copytree(wan_vae, folder / "vae")

@@ -18,14 +18,9 @@ from safetensors.torch import save_file
 from opendit import kernels
 from opendit.checkpoint import load_into_meta_model
 from opendit.families.base import DiffusionModel, check_model_contract
-from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
-from opendit.families.wan.weights import (
-    diffusers_config,
-    diffusers_to_wan,
-    load_diffusers_transformer,
-    wan_config_from_diffusers,
-    wan_to_diffusers,
-)
+from opendit.checkpoint.folders import read_safetensors
+from opendit.families.wan.model import WAN_CONFIGS, WanModel
+from opendit.families.wan.weights import WAN_WEIGHTS
 from opendit.kernels import set_kernels
 from tests.wan_reference import reference_forward
 
@@ -188,24 +183,24 @@ def test_single_and_sharded_safetensors_load_strictly_into_a_meta_model(tmp_path
     for path in (tmp_path / "single.safetensors", index, sharded):
         with torch.device("meta"):
             loaded = WanModel(**TINY)
-        load_into_meta_model(loaded, load_wan_weights(path), str(path))
+        load_into_meta_model(loaded, read_safetensors(path), str(path))
         for a, b in zip(loaded(x, t, context, seq_len=18), expected):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
     (sharded / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="00002-of-00002.safetensors, which is missing"):
-        load_wan_weights(sharded)
+        read_safetensors(sharded)
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
-    with pytest.raises(FileNotFoundError, match="one .safetensors"):
-        load_wan_weights(tmp_path)
+    with pytest.raises(FileNotFoundError, match="holds 2 candidate weight files.*pass the file itself"):
+        read_safetensors(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- diffusers
 def _peer(model):
     from diffusers import WanTransformer3DModel
 
-    peer = WanTransformer3DModel(**diffusers_config(TINY)).eval()
-    peer.load_state_dict(wan_to_diffusers(model.state_dict()), strict=True)
+    peer = WanTransformer3DModel(**WAN_WEIGHTS.arch_to_diffusers(TINY)).eval()
+    peer.load_state_dict(WAN_WEIGHTS.to_diffusers(model.state_dict()), strict=True)
     return peer
 
 
@@ -223,18 +218,18 @@ def test_converted_weights_give_diffusers_the_same_output(tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
     theirs = peer.state_dict()
-    ours = diffusers_to_wan(theirs)
+    ours = WAN_WEIGHTS.from_diffusers(theirs)
     assert ours.keys() == model.state_dict().keys()
     assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
-    back = wan_to_diffusers(ours)
+    back = WAN_WEIGHTS.to_diffusers(ours)
     assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in theirs)
-    assert wan_config_from_diffusers(peer.config) == {**TINY, "text_len": 512}
+    assert WAN_WEIGHTS.arch_from_diffusers(peer.config) == {**TINY, "text_len": 512}
 
     peer.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")  # sharded, with an index
     assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
     (tmp_path / "model_index.json").write_text("{}")
     for folder in (tmp_path / "transformer", tmp_path):  # the transformer folder, or its pipeline folder
-        config, state = load_diffusers_transformer(folder)
+        config, state = WAN_WEIGHTS.load_diffusers(folder)
         with torch.device("meta"):
             loaded = WanModel(**{**config, "text_len": TINY["text_len"]})
         load_into_meta_model(loaded, state, str(folder))
@@ -244,14 +239,14 @@ def test_converted_weights_give_diffusers_the_same_output(tmp_path):
 def test_conversion_errors_name_the_problem():
     state = tiny_wan().state_dict()
     with pytest.raises(ValueError, match="lora"):
-        wan_to_diffusers({**state, "blocks.0.self_attn.q.lora_A.weight": torch.zeros(1)})
+        WAN_WEIGHTS.to_diffusers({**state, "blocks.0.self_attn.q.lora_A.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="'model.patch_embedding.weight'"):
-        wan_to_diffusers({f"model.{k}": v for k, v in state.items()})
+        WAN_WEIGHTS.to_diffusers({f"model.{k}": v for k, v in state.items()})
     with pytest.raises(ValueError, match="image-to-video"):
-        diffusers_to_wan({"condition_embedder.image_embedder.ff.net.0.proj.weight": torch.zeros(1)})
+        WAN_WEIGHTS.from_diffusers({"condition_embedder.image_embedder.ff.net.0.proj.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="image-to-video"):
-        wan_config_from_diffusers({"_class_name": "WanTransformer3DModel", "image_dim": 1280})
+        WAN_WEIGHTS.arch_from_diffusers({"_class_name": "WanTransformer3DModel", "image_dim": 1280})
     with pytest.raises(ValueError, match="not a WanTransformer3DModel"):
-        wan_config_from_diffusers({"_class_name": "FluxTransformer2DModel"})
+        WAN_WEIGHTS.arch_from_diffusers({"_class_name": "FluxTransformer2DModel"})
     with pytest.raises(ValueError, match="qk_norm"):
-        diffusers_config({**TINY, "qk_norm": False})
+        WAN_WEIGHTS.arch_to_diffusers({**TINY, "qk_norm": False})

@@ -9,9 +9,10 @@ plugin, plus single-file safetensors exports for sample.py. One job per module:
   load.py        load_checkpoint: resume into the boosted model, optimizer, EMA, scheduler and RNGs
   weights.py     single sets of weights: export, load_weights, load_into_meta_model, what a --ckpt file is
   safe_read.py   reading without running code: allow-listed DCP metadata, torch.load(weights_only=True)
+  folders.py     weights as published: safetensors files, sharded checkpoints, pipeline component folders
 
-Formats that are not opendit's own (a diffusers folder, an official release) are recognised by the model family
-that owns them (opendit.families), never here.
+Formats that are not opendit's own (a diffusers folder, an official release) are recognised and converted by the
+model family that owns them (its WeightAdapter, opendit.families), never here: folders.py only reads files.
 """
 from opendit.checkpoint.discovery import find_resume_checkpoint, latest_run_checkpoint, new_run_dir, resolve_checkpoint
 from opendit.checkpoint.load import load_checkpoint

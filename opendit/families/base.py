@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from opendit.checkpoint import load_weights
+from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
 from opendit.data import DatasetSpec, distinct_captions
 from opendit.encoders.vae_decode import DecodeOptions
 from opendit.options import opt
@@ -96,6 +97,62 @@ def check_model_contract(model: nn.Module, name: str) -> None:
                         f"docs/architecture.md 'Adding a model family'")
 
 
+class WeightAdapter:
+    """How a family's weights are laid out elsewhere. Our keys are the official release's, so official <-> opendit
+    is the identity; a diffusers transformer folder converts both ways. A family sets one (ModelFamily.weights):
+    load_weights, checkpoint recognition and LoRA's module map (opendit.lora.formats, which reads to_diffusers'
+    key names) use it, and every file goes through opendit.checkpoint.folders.
+
+    diffusers_classes: the config.json `_class_name`s of its diffusers transformers. A subclass converts state
+    dicts (to_diffusers, from_diffusers; `arch`: our constructor kwargs, for conversions that need them) and
+    configs (arch_from_diffusers, and where an export needs it arch_to_diffusers); load_official reads a release
+    layout opendit's own loader does not (a sharded folder)."""
+    diffusers_classes: tuple[str, ...] = ()
+    # LoRA files in the diffusers layout name the diffusers modules (to_diffusers' key names give the map);
+    # False: they name the official modules (no trainer publishes LoRAs in this diffusers model's names)
+    diffusers_lora: bool = True
+
+    def lora_converter(self):
+        """What opendit.lora.formats maps module names with: to_diffusers, or None (official names)."""
+        return self.to_diffusers if self.diffusers_lora else None
+
+    def to_diffusers(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_diffusers(self, state: dict[str, torch.Tensor], arch: dict | None = None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def arch_from_diffusers(self, config: dict) -> dict:
+        raise NotImplementedError
+
+    def check_class(self, config: dict, where: str) -> None:
+        found = config.get("_class_name")
+        if found not in self.diffusers_classes:
+            raise ValueError(f"{where} describes a {found!r}, not a {' or '.join(self.diffusers_classes)}; point "
+                             f"at the transformer's folder (or the pipeline folder holding transformer/)")
+
+    def diffusers_folder(self, path) -> str | None:
+        """The model folder of a diffusers folder of this family's transformer (`path`, or a pipeline's
+        transformer/); None for anything else, another model's diffusers folder included."""
+        folder = None if path is None or not Path(path).is_dir() else model_folder(path)
+        return folder if folder and read_config(folder).get("_class_name") in self.diffusers_classes else None
+
+    def load_diffusers(self, path) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A diffusers folder of this family's transformer -> (our constructor kwargs, our state dict)."""
+        folder = model_folder(path)
+        if folder is None:
+            raise FileNotFoundError(f"{str(path)!r} is not a diffusers transformer folder: expected config.json + "
+                                    f"diffusion_pytorch_model*.safetensors, or a pipeline folder with transformer/")
+        config = read_config(folder)
+        self.check_class(config, f"{folder}/config.json")
+        arch = self.arch_from_diffusers(config)
+        return arch, self.from_diffusers(read_safetensors(folder), arch)
+
+    def load_official(self, path) -> dict[str, torch.Tensor] | None:
+        """An official release at `path` in a layout opendit's load_weights does not read; None: not one."""
+        return None
+
+
 class Objective(Protocol):
     """What one training micro-batch costs. prepare: a loader batch -> (model input x [B, ...], cond: dict of
     model keyword tensors, each [B, ...]; train=False: no condition dropout). losses: per-sample losses [B] in
@@ -175,6 +232,7 @@ class ModelFamily:
     cache_thresholds: Mapping[str, float] = {"teacache": 0.1, "fbcache": 0.08}
     cache_keys: tuple[str, ...] = ()  # settings a latent cache records beyond image size and VAE (and imposes)
     checkpoint_formats: tuple[str, ...] = ()  # foreign checkpoints recognize_checkpoint knows, for error messages
+    weights: WeightAdapter | None = None  # its weights in diffusers' layout and official release layouts
     # --lora_targets' default: a regex fully matching the names of the Linear layers that get adapters
     lora_targets: str = ""
     # Option dataclasses (opendit.options.opt fields) merged into train.py's, sample.py's and preprocess.py's
@@ -213,15 +271,21 @@ class ModelFamily:
         raise NotImplementedError
 
     def load_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """{official key: tensor} from `path` (--init_weights, a sampled checkpoint): opendit's own formats, and
-        in a family that owns one, a foreign format (e.g. a diffusers folder, converted)."""
+        """{official key: tensor} from `path` (--init_weights, a sampled checkpoint): an official release or a
+        diffusers folder its weight adapter reads (converted), else opendit's own formats."""
+        if self.weights is not None:
+            official = self.weights.load_official(path)
+            if official is not None:
+                return official
+            if self.weights.diffusers_folder(path):
+                return self.weights.load_diffusers(path)[1]
+            folder = model_folder(path) if Path(path).is_dir() else None
+            if folder is not None and "_class_name" in read_config(folder):  # another model's diffusers folder
+                self.weights.check_class(read_config(folder), f"{folder}/config.json")
+            if folder is None and Path(path, "model_index.json").is_file():
+                raise FileNotFoundError(f"{path!r} is a diffusers pipeline folder without transformer/config.json; "
+                                        f"download its transformer/ folder too")
         return load_weights(path)
-
-    def diffusers_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Official state dict -> the diffusers model's (LoRA files in the diffusers layout name diffusers
-        modules; opendit.lora.formats reads the module names off this converter); None: no diffusers model, LoRA
-        files then name the official modules."""
-        return None
 
     # ---- memory planning (opendit.plan) -----------------------------------------------------------------------
     def memory_probe(self, cfg, device: torch.device) -> MemoryProbe:

@@ -45,7 +45,8 @@ def _base(ckpt: str, model: str | None, loras: list[str]):
 
 def _mapping(family, state: dict):
     linears = [k[:-len(".weight")] for k, v in state.items() if k.endswith(".weight") and v.ndim == 2]
-    return module_map(family.diffusers_state, {k: tuple(v.shape) for k, v in state.items()}, linears), linears
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return module_map(family.weights and family.weights.lora_converter(), shapes, linears), linears
 
 
 def merge(args) -> None:

@@ -34,7 +34,7 @@ def check_lora_flags(cfg) -> None:
 def family_module_map(family, model: nn.Module) -> ModuleMap:
     """The family's official -> diffusers Linear map for `model` (meta tensors are fine)."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
-    return module_map(family.diffusers_state, shapes, linear_names(model))
+    return module_map(family.weights and family.weights.lora_converter(), shapes, linear_names(model))
 
 
 def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:

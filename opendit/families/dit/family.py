@@ -18,7 +18,7 @@ from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
 from opendit.families.base import ModelSpec, match_registry
 from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
 from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
-from opendit.families.dit.weights import is_diffusers_dir, is_diffusers_dit_dir, load_diffusers_dit
+from opendit.families.dit.weights import DIT_WEIGHTS
 from opendit.families.dit.model import DiT
 from opendit.models.layers import Attention
 from opendit.perf import matmul_macs
@@ -79,6 +79,7 @@ class DiTFamily(GaussianDiffusionFamily):
     models = DIT_MODELS
     datasets = dataset_map(DIGITS, FOLDER, LATENTS)
     checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")
+    weights = DIT_WEIGHTS
     cache_thresholds = {"teacache": 0.2, "fbcache": 0.16}  # benchmarks/README.md: digits, no accuracy lost
     defaults_help = {"cfg_scale": "DiT 4", "num_sampling_steps": "DiT 250",
                      "sampler": "DiT: ddpm (ancestral, default) or ddim", "vae_scale": "DiT: SD's 0.18215"}
@@ -91,14 +92,9 @@ class DiTFamily(GaussianDiffusionFamily):
     def train_flops_per_sample(self, model) -> float:
         return dit_train_flops_per_image(model)
 
-    def load_weights(self, path: str) -> dict:
-        if is_diffusers_dir(path):  # converted to the official keys
-            return load_diffusers_dit(path)[1]
-        return load_weights(path)
-
     def recognize_checkpoint(self, path: str):
-        if is_diffusers_dit_dir(path):  # e.g. facebook/DiT-XL-2-256: its config gives the settings
-            kw, state = load_diffusers_dit(path)
+        if DIT_WEIGHTS.diffusers_folder(path):  # e.g. facebook/DiT-XL-2-256: its config gives the settings
+            kw, state = DIT_WEIGHTS.load_diffusers(path)
             settings = dict(OFFICIAL_DEFAULTS, image_size=kw["input_size"] * 8, num_classes=kw["num_classes"],
                             learn_sigma=kw["learn_sigma"])
             name = match_registry(DIT_MODELS, **{k: kw[k] for k in ("depth", "hidden_size", "num_heads", "patch_size")})

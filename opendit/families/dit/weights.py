@@ -23,13 +23,13 @@ timestep frequencies are exp(-ln(1e4) * i / (128 - 1)) (`downscale_freq_shift=1`
 LayerNorm before its MLP uses `norm_eps` (default 1e-5) where DiT uses 1e-6. Our model run on converted weights
 computes what the official DiT code computes (tests/test_convert_diffusers.py measures both differences).
 """
-import json
 import logging
-import os
 import re
 
 import torch
 
+from opendit.checkpoint.folders import model_folder, read_config
+from opendit.families.base import WeightAdapter
 from opendit.models.pos_embed import sincos_2d
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _grid_size(num_tokens: int) -> int:
     return grid
 
 
-def dit_to_diffusers(state_dict: dict, depth: int | None = None) -> dict:
+def _dit_to_diffusers(state_dict: dict, depth: int | None = None) -> dict:
     """Our (official DiT) state_dict -> DiTTransformer2DModel's. `depth` defaults to the number of blocks found.
 
     The frozen pos_embed is dropped (diffusers recomputes it); it must be the standard sin-cos table, since a
@@ -116,7 +116,7 @@ def _shared_embedders(state_dict: dict, n_blocks: int) -> dict:
     return out
 
 
-def dit_from_diffusers(state_dict: dict, sample_size: int) -> dict:
+def _dit_from_diffusers(state_dict: dict, sample_size: int) -> dict:
     """DiTTransformer2DModel's state_dict -> ours. `sample_size` (the latent height = width, diffusers' config
     field of that name) sets the pos_embed table, which diffusers does not store.
 
@@ -144,63 +144,8 @@ def dit_from_diffusers(state_dict: dict, sample_size: int) -> dict:
     return out
 
 
-def is_diffusers_dir(path: str) -> bool:
-    """A diffusers model folder (config.json) or pipeline folder (model_index.json)."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
-                                                                                        "model_index.json"))
-
-
-def is_diffusers_dit_dir(path: str) -> bool:
-    """A diffusers folder whose model (or pipeline's transformer/) is a DiT, by its config's class; another
-    model's folder (e.g. a Wan transformer) is not."""
-    if not is_diffusers_dir(path):
-        return False
-    try:
-        with open(os.path.join(_model_dir(path), "config.json")) as f:
-            return json.load(f).get("_class_name") in DIT_CLASSES
-    except (FileNotFoundError, ValueError):
-        return False
-
-
-def _model_dir(path: str) -> str:
-    """A pipeline folder -> its transformer/ subfolder; a model folder -> itself."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    sub = os.path.join(path, "transformer")
-    if os.path.isfile(os.path.join(path, "model_index.json")) and os.path.isfile(os.path.join(sub, "config.json")):
-        return sub
-    raise FileNotFoundError(f"{path!r} is not a diffusers DiT folder: expected config.json + "
-                            "diffusion_pytorch_model*.safetensors, or a pipeline folder with transformer/config.json")
-
-
-def _read_weights(folder: str) -> dict:
-    """diffusion_pytorch_model.safetensors, its sharded form (+ .index.json), or the legacy .bin."""
-    from safetensors.torch import load_file
-
-    single = os.path.join(folder, "diffusion_pytorch_model.safetensors")
-    index = single + ".index.json"
-    if os.path.isfile(single):
-        return load_file(single, device="cpu")
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        state = {}
-        for shard in shards:
-            state.update(load_file(os.path.join(folder, shard), device="cpu"))
-        return state
-    legacy = os.path.join(folder, "diffusion_pytorch_model.bin")
-    if os.path.isfile(legacy):
-        return torch.load(legacy, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{folder!r} has config.json but no diffusion_pytorch_model.safetensors (or sharded "
-                            f".safetensors.index.json, or .bin); it holds {sorted(os.listdir(folder))}")
-
-
-def _config_to_kwargs(config: dict, folder: str) -> dict:
+def _config_to_kwargs(config: dict, folder: str = "config.json") -> dict:
     """diffusers' config.json -> DiT constructor kwargs; refuses variants our DiT does not compute."""
-    cls = config.get("_class_name")
-    if cls not in DIT_CLASSES:
-        raise ValueError(f"{folder!r}/config.json is a {cls!r}, not a DiT transformer; point at the DiT model "
-                         "folder (or its pipeline folder)")
     need = {"norm_type": "ada_norm_zero", "activation_fn": "gelu-approximate", "attention_bias": True,
             "norm_elementwise_affine": False}
     wrong = {k: config.get(k) for k, v in need.items() if config.get(k, v) != v}
@@ -218,22 +163,36 @@ def _config_to_kwargs(config: dict, folder: str) -> dict:
             "num_classes": config["num_embeds_ada_norm"], "learn_sigma": out_ch == 2 * in_ch}
 
 
-def load_diffusers_dit(path: str) -> tuple[dict, dict]:
-    """Read a diffusers DiT folder -> (DiT constructor kwargs, our state_dict). `path` is a model folder
-    (config.json + diffusion_pytorch_model*.safetensors) or a pipeline folder holding transformer/.
-    `DiT(**kwargs)` loads the state_dict with strict=True."""
-    folder = _model_dir(os.fspath(path))
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    kwargs = _config_to_kwargs(config, folder)
-    state = _read_weights(folder)
-    mlp_hidden = _take(state, "transformer_blocks.0.ff.net.0.proj.weight", "diffusers").shape[0]
-    kwargs["mlp_ratio"] = mlp_hidden / kwargs["hidden_size"]
-    converted = dit_from_diffusers(state, kwargs["input_size"])
-    if converted["blocks.0.adaLN_modulation.1.weight"].shape[1] != kwargs["hidden_size"]:
-        raise ValueError(f"{folder!r}: config.json says hidden size {kwargs['hidden_size']} (heads x head dim) but "
-                         f"the weights are {converted['blocks.0.adaLN_modulation.1.weight'].shape[1]} wide")
-    if config.get("norm_eps", 1e-5) != 1e-6:
-        log.info("%s: diffusers runs its MLP LayerNorm with eps=%s; our DiT uses DiT's 1e-6 (tiny output change)",
-                 folder, config.get("norm_eps", 1e-5))
-    return kwargs, converted
+class DiTWeights(WeightAdapter):
+    """DiT's weights: official (ours) <-> diffusers' DiTTransformer2DModel, its folders and pipeline folders."""
+    diffusers_classes = DIT_CLASSES
+    diffusers_lora = False  # DiT LoRA files name the official modules
+
+    def to_diffusers(self, state, depth: int | None = None):
+        return _dit_to_diffusers(state, depth)
+
+    def from_diffusers(self, state, arch=None):
+        """arch: our constructor kwargs; its input_size sizes the position table diffusers does not store."""
+        return _dit_from_diffusers(state, (arch or {}).get("input_size", 32))
+
+    def arch_from_diffusers(self, config: dict) -> dict:
+        return _config_to_kwargs(config)
+
+    def load_diffusers(self, path) -> tuple[dict, dict]:
+        """A diffusers DiT folder (config.json + diffusion_pytorch_model*.safetensors) or a pipeline folder holding
+        transformer/ -> (DiT constructor kwargs, our state_dict); `DiT(**kwargs)` loads it with strict=True."""
+        kwargs, converted = super().load_diffusers(path)
+        folder = model_folder(path)
+        config = read_config(folder)
+        width = converted["blocks.0.mlp.fc1.weight"].shape[0]
+        kwargs["mlp_ratio"] = width / kwargs["hidden_size"]
+        if converted["blocks.0.adaLN_modulation.1.weight"].shape[1] != kwargs["hidden_size"]:
+            raise ValueError(f"{folder!r}: config.json says hidden size {kwargs['hidden_size']} (heads x head dim) "
+                             f"but the weights are {converted['blocks.0.adaLN_modulation.1.weight'].shape[1]} wide")
+        if config.get("norm_eps", 1e-5) != 1e-6:
+            log.info("%s: diffusers runs its MLP LayerNorm with eps=%s; our DiT uses DiT's 1e-6 (tiny output change)",
+                     folder, config.get("norm_eps", 1e-5))
+        return kwargs, converted
+
+
+DIT_WEIGHTS = DiTWeights()

@@ -35,7 +35,7 @@ from opendit.encoders.text import (
 from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, posterior_sample, scale_latents
 from opendit.families.base import ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.flux.model import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
-from opendit.families.flux.weights import flux_to_diffusers
+from opendit.families.flux.weights import FLUX_WEIGHTS
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.options import opt
 from opendit.perf import matmul_macs
@@ -205,6 +205,7 @@ class FluxFamily(LatentImageFamily):
                      "vae_scale": "FLUX: its VAE's 0.3611, shifted by 0.1159"}
     cache_keys = ("t5", "clip", "t5_max_length")
     checkpoint_formats = ("an official flux1-dev / flux1-schnell .safetensors",)
+    weights = FLUX_WEIGHTS
     train_options = FluxTrainOptions
     sample_options = FluxSampleOptions
     cache_options = FluxCacheOptions
@@ -294,9 +295,6 @@ class FluxFamily(LatentImageFamily):
         return FlowObjective(encoders, cfg, self.models[cfg.model].arch["guidance_embed"], self.vae_shift)
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def diffusers_state(self, state):
-        return flux_to_diffusers(state)
-
     def recognize_checkpoint(self, path: str):
         """An official FLUX.1 transformer .safetensors (flux1-dev / flux1-schnell): the model from its keys."""
         if Path(path).suffix != ".safetensors":

@@ -32,6 +32,8 @@ import re
 
 import torch
 
+from opendit.families.base import WeightAdapter
+
 _WB = ("weight", "bias")
 # (ours, diffusers) prefixes of linear layers renamed one to one (weight and bias)
 _TOP = [("img_in", "x_embedder"), ("txt_in", "context_embedder"),
@@ -106,7 +108,7 @@ def _check_all_used(state_dict: dict, used: set, side: str) -> None:
                          "prefix?); remove them before converting")
 
 
-def flux_to_diffusers(state_dict: dict) -> dict:
+def _flux_to_diffusers(state_dict: dict) -> dict:
     """Our (official FLUX.1) state_dict -> FluxTransformer2DModel's. The guidance embedder is converted when
     present (FLUX.1-dev), as diffusers' guidance_embeds=True expects."""
     hidden = _take(state_dict, "img_in.weight", "our").shape[0]
@@ -130,8 +132,8 @@ def flux_to_diffusers(state_dict: dict) -> dict:
     return out
 
 
-def flux_from_diffusers(state_dict: dict) -> dict:
-    """FluxTransformer2DModel's state_dict -> ours; `Flux(**flux_config_from_diffusers(config))` loads it with
+def _flux_from_diffusers(state_dict: dict) -> dict:
+    """FluxTransformer2DModel's state_dict -> ours; `Flux(**_flux_arch(config))` loads it with
     strict=True."""
     plan = _plan(_block_count(state_dict, "transformer_blocks."),
                  _block_count(state_dict, "single_transformer_blocks."),
@@ -149,13 +151,10 @@ def flux_from_diffusers(state_dict: dict) -> dict:
     return out
 
 
-def flux_config_from_diffusers(config) -> dict:
+def _flux_arch(config) -> dict:
     """A FluxTransformer2DModel config (dict or model.config) -> our Flux constructor kwargs."""
     config = dict(config)
-    cls = config.get("_class_name", "FluxTransformer2DModel")
-    if cls != "FluxTransformer2DModel":
-        raise ValueError(f"config describes a {cls!r}, not a FluxTransformer2DModel; point at the FLUX transformer "
-                         "(the transformer/ folder of a FLUX pipeline)")
+    FLUX_WEIGHTS.check_class({"_class_name": "FluxTransformer2DModel", **config}, "the config")
     heads, head_dim = config.get("num_attention_heads", 24), config.get("attention_head_dim", 128)
     in_channels, patch = config.get("in_channels", 64), config.get("patch_size", 1)
     # diffusers' x_embedder takes in_channels whatever patch_size says; its proj_out emits patch^2 x out_channels
@@ -167,3 +166,20 @@ def flux_config_from_diffusers(config) -> dict:
                 depth_single_blocks=config.get("num_single_layers", 38),
                 axes_dim=tuple(config.get("axes_dims_rope", (16, 56, 56))), theta=10000, qkv_bias=True,
                 guidance_embed=bool(config.get("guidance_embeds", False)))
+
+
+class FluxWeights(WeightAdapter):
+    """FLUX.1's weights: official (ours) <-> diffusers' FluxTransformer2DModel, its folders and pipeline folders."""
+    diffusers_classes = ("FluxTransformer2DModel",)
+
+    def to_diffusers(self, state):
+        return _flux_to_diffusers(state)
+
+    def from_diffusers(self, state, arch=None):
+        return _flux_from_diffusers(state)
+
+    def arch_from_diffusers(self, config: dict) -> dict:
+        return _flux_arch(config)
+
+
+FLUX_WEIGHTS = FluxWeights()

@@ -14,7 +14,6 @@ What the model's forward takes: the official forward(x, t, context, seq_len) (li
 zero-padded -> velocity [B, C, F, H, W] (what training and sampling here call).
 """
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +26,15 @@ from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinc
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
 from opendit.diffusion.sampling import progress_interval
 from opendit.encoders.text import FixedEmbeddings, encoder_dtype
+from opendit.checkpoint.folders import read_config
 from opendit.encoders.vae import posterior_sample
 from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.wan.model import WAN_CONFIGS, WanModel, load_wan_weights
+from opendit.families.wan.model import WAN_CONFIGS, WanModel
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
-from opendit.families.wan.weights import load_diffusers_transformer, wan_config_from_diffusers, wan_to_diffusers
+from opendit.families.wan.weights import WAN_WEIGHTS
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
@@ -174,6 +174,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
                      "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
                      "sampler": "Wan: unipc (default) or euler", "vae_scale": "Wan 1: its VAE normalises per channel"}
     cache_keys = (*ClipFamily.cache_keys, "umt5")
+    weights = WAN_WEIGHTS
     checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
                           "a diffusers Wan folder (transformer/)")
     train_options = WanTrainOptions
@@ -297,20 +298,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
     def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
         return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob)
 
-    def load_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """opendit's formats, an official Wan2.1 release (a folder or its safetensors, sharded with an index), or
-        a diffusers Wan folder (transformer/, converted)."""
-        kind, _ = wan_folder(Path(path))
-        if kind == "diffusers":
-            return load_diffusers_transformer(path)[1]
-        if kind == "official" or Path(path).name.startswith("diffusion_pytorch_model"):
-            return load_wan_weights(path)
-        return super().load_weights(path)
-
     # ---- sampling ------------------------------------------------------------------------------------------
-    def diffusers_state(self, state):
-        return wan_to_diffusers(state)
-
     def recognize_checkpoint(self, path: str):
         """An official Wan2.1 T2V folder or a diffusers Wan folder: the model from its config; a pipeline folder
         also names its VAE and UMT5."""
@@ -439,12 +427,9 @@ def wan_folder(path: Path) -> tuple[str | None, dict]:
     """("diffusers", our config) for a diffusers Wan transformer folder or a pipeline folder holding transformer/;
     ("official", its config.json) for an official Wan2.1 folder (config.json + diffusion_pytorch_model*.safetensors);
     (None, {}) otherwise."""
-    folder = path / "transformer" if (path / "transformer" / "config.json").is_file() else path
-    if not (folder / "config.json").is_file():
-        return None, {}
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("_class_name") == "WanTransformer3DModel":
-        return "diffusers", wan_config_from_diffusers(config)
-    if "dim" in config and any(folder.glob("diffusion_pytorch_model*.safetensors")):
-        return "official", config
+    folder = WAN_WEIGHTS.diffusers_folder(path)
+    if folder is not None:
+        return "diffusers", WAN_WEIGHTS.arch_from_diffusers(read_config(folder))
+    if WAN_WEIGHTS.is_official_folder(path):
+        return "official", read_config(path)
     return None, {}

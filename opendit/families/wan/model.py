@@ -3,7 +3,7 @@ that cross-attends to umT5 text embeddings.
 
 The math and the state_dict (keys and shapes) equal the official `wan/modules/model.py` WanModel with model_type
 "t2v", so the released Wan2.1-T2V-1.3B and -14B weights load with strict=True (tests/data/wan21_t2v-*_state_dict.tsv;
-`load_wan_weights` reads the single and the sharded safetensors). Constructor arguments are the official config's.
+weights.WanWeights reads the single and the sharded safetensors). Constructor arguments are the official config's.
 
     x [C, F, H, W] per sample --patch_embedding (Conv3d, stride patch_size)--> tokens [L, dim], L = f*h*w
     t [B] in 0..1000 --float64 sinusoid--> time_embedding --> e [B, dim] --time_projection--> e0 [B, 6, dim]
@@ -40,9 +40,7 @@ opendit.parallel: the group MEAN equals the unsplit gradient.
 Initialisation: the official init_weights (xavier-uniform linears with zero biases, the patch embedding xavier on
 its flattened weight, N(0, 0.02) text and time embeddings, a zero head) and N(0, 1/dim) modulations.
 """
-import json
 import math
-import os
 from functools import partial
 from itertools import islice
 
@@ -379,38 +377,3 @@ class WanModel(nn.Module):
         (f, h, w), (pt, ph, pw) = grid, self.patch_size
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, self.out_dim)
         return torch.einsum("bfhwpqrc->bcfphqwr", x).reshape(x.shape[0], self.out_dim, f * pt, h * ph, w * pw)
-
-
-# ---------------------------------------------------------------------------------------------- weights
-def load_wan_weights(path) -> dict[str, torch.Tensor]:
-    """{key: tensor} on the CPU from a .safetensors file, a sharded checkpoint's *.safetensors.index.json, or a
-    folder holding either (an official release folder: diffusion_pytorch_model.safetensors, or
-    diffusion_pytorch_model-0000i-of-0000n.safetensors + diffusion_pytorch_model.safetensors.index.json)."""
-    from safetensors.torch import load_file
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        names = sorted(os.listdir(path))
-        found = [n for n in names if n.endswith(".safetensors.index.json")] or \
-            [n for n in names if n.endswith(".safetensors")]
-        if len(found) != 1:
-            raise FileNotFoundError(f"{path!r} should hold one .safetensors file or one .safetensors.index.json; it "
-                                    f"holds {names[:10]}; pass the file itself")
-        path = os.path.join(path, found[0])
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path!r} does not exist; pass a .safetensors file, an index .json or their folder")
-    if not path.endswith(".json"):
-        return load_file(path, device="cpu")
-    with open(path) as f:
-        weight_map = json.load(f)["weight_map"]
-    state = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_path = os.path.join(os.path.dirname(path), shard)
-        if not os.path.isfile(shard_path):
-            raise FileNotFoundError(f"{path} lists the shard {shard}, which is missing; download it too")
-        state.update(load_file(shard_path, device="cpu"))
-    missing, unlisted = sorted(set(weight_map) - set(state)), sorted(set(state) - set(weight_map))
-    if missing or unlisted:
-        raise ValueError(f"the shards of {path} hold other keys than its weight_map: missing {missing[:5]}, "
-                         f"unlisted {unlisted[:5]}; download the release again")
-    return state

@@ -21,11 +21,11 @@ The modulation rows keep their order (shift, scale, gate, ...). diffusers comput
 fp32 timestep sinusoid and fp32 RoPE application (ours: float64, as released), ~1e-5 apart: tests/test_wan_model.py
 compares the two forwards.
 """
-import json
-import os
 import re
+from pathlib import Path
 
-from opendit.families.wan.model import load_wan_weights
+from opendit.checkpoint.folders import read_config, read_safetensors
+from opendit.families.base import WeightAdapter
 
 _TOP = [("patch_embedding", "patch_embedding"),
         ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
@@ -58,17 +58,17 @@ def _rename(state: dict, to_diffusers: bool) -> dict:
     return out
 
 
-def wan_to_diffusers(state: dict) -> dict:
+def _wan_to_diffusers(state: dict) -> dict:
     """Our (official Wan2.1) state_dict -> WanTransformer3DModel's."""
     return _rename(state, to_diffusers=True)
 
 
-def diffusers_to_wan(state: dict) -> dict:
-    """WanTransformer3DModel's state_dict -> ours; WanModel(**wan_config_from_diffusers(config)) loads it strictly."""
+def _diffusers_to_wan(state: dict) -> dict:
+    """WanTransformer3DModel's state_dict -> ours; WanModel(**_wan_arch(config)) loads it strictly."""
     return _rename(state, to_diffusers=False)
 
 
-def diffusers_config(wan_config: dict) -> dict:
+def _wan_arch_to_diffusers(wan_config: dict) -> dict:
     """Our WanModel constructor kwargs -> WanTransformer3DModel's."""
     cfg = dict(wan_config)
     if cfg.get("model_type", "t2v") != "t2v" or not cfg.get("qk_norm", True):
@@ -82,14 +82,11 @@ def diffusers_config(wan_config: dict) -> dict:
                 eps=cfg.get("eps", 1e-6), image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
 
 
-def wan_config_from_diffusers(config) -> dict:
+def _wan_arch(config) -> dict:
     """A WanTransformer3DModel config (dict or model.config) -> our WanModel kwargs. text_len is the pipelines'
     umT5 length, 512 (diffusers' config does not hold it)."""
     config = dict(config)
-    cls = config.get("_class_name", "WanTransformer3DModel")
-    if cls != "WanTransformer3DModel":
-        raise ValueError(f"config describes a {cls!r}, not a WanTransformer3DModel; point at the Wan transformer (the "
-                         f"transformer/ folder of a Wan pipeline)")
+    WAN_WEIGHTS.check_class({"_class_name": "WanTransformer3DModel", **config}, "the config")
     if config.get("image_dim") or config.get("added_kv_proj_dim"):
         raise ValueError("this WanTransformer3DModel takes image embeddings (image-to-video); only text-to-video "
                          "Wan2.1 models convert")
@@ -102,16 +99,35 @@ def wan_config_from_diffusers(config) -> dict:
                 cross_attn_norm=config.get("cross_attn_norm", True), eps=config.get("eps", 1e-6))
 
 
-def load_diffusers_transformer(folder) -> tuple[dict, dict]:
-    """A diffusers WanTransformer3DModel folder (config.json + diffusion_pytorch_model.safetensors, or its shards +
-    .index.json), or a pipeline folder holding transformer/ -> (WanModel kwargs, our state_dict)."""
-    folder = os.fspath(folder)
-    if not os.path.isfile(os.path.join(folder, "config.json")) and \
-            os.path.isfile(os.path.join(folder, "transformer", "config.json")):
-        folder = os.path.join(folder, "transformer")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FileNotFoundError(f"{folder!r} is not a diffusers Wan transformer folder: expected config.json + "
-                                f"diffusion_pytorch_model*.safetensors, or a pipeline folder with transformer/")
-    with open(os.path.join(folder, "config.json")) as f:
-        config = wan_config_from_diffusers(json.load(f))
-    return config, diffusers_to_wan(load_wan_weights(folder))
+class WanWeights(WeightAdapter):
+    """Wan2.1's weights: official (ours; a release folder or its safetensors, sharded with an index) <-> diffusers'
+    WanTransformer3DModel, its folders and pipeline folders."""
+    diffusers_classes = ("WanTransformer3DModel",)
+
+    def to_diffusers(self, state):
+        return _wan_to_diffusers(state)
+
+    def from_diffusers(self, state, arch=None):
+        return _diffusers_to_wan(state)
+
+    def arch_from_diffusers(self, config: dict) -> dict:
+        return _wan_arch(config)
+
+    def arch_to_diffusers(self, arch: dict) -> dict:
+        return _wan_arch_to_diffusers(arch)
+
+    @staticmethod
+    def is_official_folder(path) -> bool:
+        """An official Wan2.1 folder: config.json with "dim" beside diffusion_pytorch_model*.safetensors."""
+        p = Path(path)
+        return p.is_dir() and (p / "config.json").is_file() and "dim" in read_config(p) and \
+            any(p.glob("diffusion_pytorch_model*.safetensors"))
+
+    def load_official(self, path):
+        """An official Wan2.1 folder or one of its diffusion_pytorch_model* files (a .safetensors, or the shards'
+        .index.json)."""
+        official = self.is_official_folder(path) or Path(path).name.startswith("diffusion_pytorch_model")
+        return read_safetensors(path) if official else None
+
+
+WAN_WEIGHTS = WanWeights()
