@@ -26,7 +26,7 @@ from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
 from opendit.models.step_cache import CACHES
 from opendit.optim import FORMATS, MASTER_MODES, OPTIMIZER_NAMES
-from opendit.options import check_value, choices_of, default_of, help_of, opt
+from opendit.options import check_value, choices_of, default_of, grouped, help_of, opt
 from opendit.parallel import KINDS
 
 
@@ -69,10 +69,29 @@ BUCKETS_HELP = ("aspect-ratio buckets instead of square crops: auto (sizes of ab
 
 
 @dataclass
-class TrainOptions:
-    SECTIONS = {"model": "model and data", "epochs": "schedule", "optimizer": "optimizer and EMA",
-                "log_every": "logging and checkpoints", "lora_rank": "LoRA",
-                "plugin": "distributed and speed"}
+class SpeedOptions:
+    """The speed flags train.py and sample.py share: one declaration each."""
+    mixed_precision: str = opt("fp32", "compute dtype of the weights and activations (sampling's own math stays fp32; "
+                                       "training in fp16 adds dynamic loss scaling)", PRECISIONS)
+    compile: bool = opt(False, "torch.compile each block")
+    enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate and gated residual")
+    enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
+    enable_flashattn: bool = opt(False, "FlashAttention (flash-attn 3 or 2 when installed), else SDPA")
+
+
+@dataclass
+class SequenceParallelOptions:
+    """Sequence parallelism, in train.py and sample.py alike."""
+    sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun); 1: off",
+                                      check="positive")
+    sequence_parallel_type: str = opt("auto", _sp_help("auto picks the model's method with the smaller "
+                                                       "communication volume: dsp where declared, else fastseq at 2 "
+                                                       "ranks, ulysses above"), _sp_kinds)
+
+
+@dataclass
+class TrainData:
+    """The model and what it trains on."""
     model: str = opt("DiT-S/2", "model name; its family decides data, objective and sampler", _models)
     dataset: str = opt("digits", _dataset_help, _datasets)
     data_path: str | None = opt(None, "what the dataset reads: a class-folder root, a captioned folder or table, a "
@@ -93,12 +112,26 @@ class TrainOptions:
                            "(a latent cache names its own)")
     vae_scale: float | None = opt(None, "latents are multiplied by it; default: a cache's, else the family's",
                                   check="positive")
+    num_workers: int | None = opt(None, "DataLoader worker processes per rank; default: this machine's CPU cores "
+                                        "per process less one, at most 4", check="nonneg",
+                                  fix="0 loads data in the main process")
+
+
+@dataclass
+class TrainSchedule:
+    """How long and on how much."""
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
     max_steps: int = opt(0, "optimizer steps to train; 0: run all --epochs", check="nonneg",
                          fix="0 trains for --epochs")
     batch_size: int = opt(256, "global batch over all data-parallel ranks", check="positive",
                           fix="the global batch, e.g. 256")
     grad_accum: int = opt(1, "micro-batches per optimizer step (the batch is split into them)", check="positive")
+    global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
+
+
+@dataclass
+class TrainOptimizer:
+    """The optimizer and its memory options."""
     lr: float = opt(1e-4, "AdamW learning rate", check="positive", fix="e.g. 1e-4 (DiT's)")
     weight_decay: float = opt(0.0, "AdamW weight decay", check="nonneg")
     warmup_steps: int = opt(0, "linear learning-rate warm-up steps", check="nonneg")
@@ -114,18 +147,24 @@ class TrainOptions:
     fused_backward: bool = opt(False, "update each parameter in its gradient hook and free the gradient at once")
     blocks_to_swap: int = opt(0, "keep the last N blocks' weights on the host, streamed to the GPU one block "
                                  "ahead (one process, --plugin ddp)", check="nonneg")
+    memory_budget: str | None = opt(None, "GPU_GiB[,HOST_GiB] or auto (90 percent of the free GPU and available "
+                                          "host memory): choose the fastest memory options left at their defaults that "
+                                          "fit (docs/memory_planner.md); the chosen ones are recorded in config.yaml")
+
+
+@dataclass
+class TrainEMA:
+    """The weights' exponential moving average, which sampling uses."""
     ema_decay: float = opt(0.9999, "EMA of the weights, updated every step (starts as a copy); 0: no EMA (sampling "
                                    "uses the weights; saves 4 bytes per parameter)", check="fraction",
                            fix="0 turns the EMA off, DiT uses 0.9999")
     ema_on_host: bool = opt(False, "keep the EMA (fp32) in host memory, one process: e.g. flux-dev's 48 GB off the "
                                    "GPU; each step copies the weights to the host")
-    memory_budget: str | None = opt(None, "GPU_GiB[,HOST_GiB] or auto (90 percent of the free GPU and available "
-                                          "host memory): choose the fastest memory options left at their defaults that "
-                                          "fit (docs/memory_planner.md); the chosen ones are recorded in config.yaml")
-    global_seed: int = opt(0, "seeds weights, noise, timesteps and data order; same seed, same run")
-    num_workers: int | None = opt(None, "DataLoader worker processes per rank; default: this machine's CPU cores "
-                                        "per process less one, at most 4", check="nonneg",
-                                  fix="0 loads data in the main process")
+
+
+@dataclass
+class TrainLogging:
+    """What the run reports."""
     log_every: int = opt(50, "steps between log lines (loss, lr, img/s, MFU)", check="positive")
     val_every: int = opt(0, "steps between validation losses (fixed samples, stratified timesteps, fixed noise: "
                             "comparable across steps and runs); 0: off", check="nonneg")
@@ -135,12 +174,22 @@ class TrainOptions:
     val_timesteps: int = opt(0, "score every validation sample at N equidistant noise levels k/N and average (the "
                                 "MLPerf FLUX.1 benchmark's validation loss uses 8; N forward passes per sample); 0: "
                                 "one level per sample, stratified over 4 buckets", check="nonneg")
+
+
+@dataclass
+class TrainPreviews:
+    """Preview grids sampled while training."""
     sample_every: int = opt(0, "steps between preview grids sampled from the EMA (fixed classes or prompts and "
                                "noise) into <run>/previews and TensorBoard; 0: off", check="nonneg")
     preview_steps: int | None = opt(None, "denoising steps of a preview; default: the family's quick setting",
                                     check="positive")
     preview_cache: str = opt("none", "the step cache of previews (sample.py's --cache; teacache and fbcache at the "
                                      "family's default threshold)", CACHES)
+
+
+@dataclass
+class TrainCheckpoints:
+    """Saving, resuming, starting from weights, surviving faults."""
     ckpt_every: int = opt(5000, "steps between checkpoints (and one at the end)", check="positive")
     keep_last: int = opt(3, "checkpoints kept; older ones are deleted", check="positive",
                          fix="the newest checkpoints kept, e.g. 3")
@@ -160,6 +209,11 @@ class TrainOptions:
     init_weights: str | None = opt(None, "fine-tune: start from these weights at step 0 (an official checkpoint "
                                          "such as flux1-dev.safetensors or a DiT .pt, an EMA export); keys must "
                                          "match the model exactly")
+
+
+@dataclass
+class TrainLoRA:
+    """Low-rank adapters on frozen weights."""
     lora_rank: int = opt(0, "train low-rank adapters of this rank on the frozen --init_weights (LoRA); 0: train "
                             "all weights", check="nonneg")
     lora_alpha: float | None = opt(None, "adapter scale numerator (scale = alpha / rank); default: the rank",
@@ -169,27 +223,35 @@ class TrainOptions:
                                          "attention and MLP layers")
     init_lora: str | None = opt(None, "start the adapters from this LoRA file (diffusers/PEFT or kohya/ComfyUI "
                                       "layout, e.g. one made by another tool)")
-    plugin: str = opt("ddp", "how the model is made data-parallel (see the plugin table in the README)", PLUGINS)
-    mixed_precision: str = opt("fp32", "compute dtype; fp16 adds dynamic loss scaling", PRECISIONS)
-    tf32: bool = opt(True, "allow TF32 matmuls and convolutions on NVIDIA GPUs in fp32 compute (the published "
-                           "DiT recipe's setting); false: exact fp32")
-    dp_replicate: int = opt(1, "--plugin hsdp: replica groups (shards within, replicas across)", check="positive")
-    grad_checkpoint: int = opt(0, "activation checkpointing: 0 off, 1 every block, k every k-th block",
-                               check="nonneg")
-    compile: bool = opt(False, "torch.compile each block")
-    enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate and gated residual")
-    enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
-    enable_flashattn: bool = opt(False, "FlashAttention (flash-attn 3 or 2 when installed), else SDPA")
-    sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks; 1: off", check="positive")
-    sequence_parallel_type: str = opt("auto", _sp_help("auto picks the model's method with the smaller "
-                                                       "communication volume: dsp where declared, else fastseq at 2 "
-                                                       "ranks, ulysses above"), _sp_kinds)
 
 
 @dataclass
-class SampleOptions:
-    SECTIONS = {"ckpt": "checkpoint and model", "cfg_scale": "sampling", "out": "output",
-                "mixed_precision": "speed and parallelism", "cache": "step caches (docs/sampling.md)"}
+class TrainParallel:
+    """How the work is spread over processes."""
+    plugin: str = opt("ddp", "how the model is made data-parallel (see the plugin table in the README)", PLUGINS)
+    dp_replicate: int = opt(1, "--plugin hsdp: replica groups (shards within, replicas across)", check="positive")
+
+
+@dataclass
+class TrainSpeed:
+    """Speed settings of training only."""
+    tf32: bool = opt(True, "allow TF32 matmuls and convolutions on NVIDIA GPUs in fp32 compute (the published "
+                           "DiT recipe's setting); false: exact fp32")
+    grad_checkpoint: int = opt(0, "activation checkpointing: 0 off, 1 every block, k every k-th block",
+                               check="nonneg")
+
+
+TrainOptions = grouped("TrainOptions",
+                       ("model and data", TrainData), ("schedule", TrainSchedule), ("optimizer", TrainOptimizer),
+                       ("EMA", TrainEMA), ("logging and validation", TrainLogging),
+                       ("sampling previews", TrainPreviews), ("checkpoints and resuming", TrainCheckpoints),
+                       ("LoRA", TrainLoRA), ("parallelism", TrainParallel, SequenceParallelOptions),
+                       ("speed", SpeedOptions, TrainSpeed))
+
+
+@dataclass
+class SampleModel:
+    """What to sample from."""
     ckpt: str | None = opt(None, "EMA export (.safetensors), training checkpoint folder, an official release or "
                                  "diffusers folder a model family knows, or latest (newest checkpoint under "
                                  "--outputs)")
@@ -207,6 +269,11 @@ class SampleOptions:
                                   check="positive")
     lora: list[str] = opt(help="LoRA files to apply without merging, each FILE or FILE:STRENGTH (diffusers/PEFT or "
                                "kohya/ComfyUI layout; a LoRA run's checkpoint applies its own)", factory=list)
+
+
+@dataclass
+class SampleSampling:
+    """The sampler and the conditions."""
     cfg_scale: float | None = opt(None, "classifier-free guidance scale, 1: off; default: the family's")
     num_sampling_steps: int | None = opt(None, "denoising steps; default: the family's", check="positive",
                                          fix="e.g. 250 (ddpm) or 50 (ddim)")
@@ -218,17 +285,26 @@ class SampleOptions:
     prompts_file: str | None = opt(None, "a text file with one caption per line, appended to --prompts")
     num_samples: int = opt(0, "0: one per class label (or class)", check="nonneg")
     batch_size: int = opt(32, "per process", check="positive")
+
+
+@dataclass
+class SampleOutput:
+    """What is written."""
     out: str = opt("samples", "output folder")
     npz: bool = opt(False, "also write samples.npz (uint8 [N, H, W, 3], video [N, T, H, W, 3]) for FID tools")
-    mixed_precision: str = opt("fp32", "the model's weights and compute (the sampler's math stays fp32)", PRECISIONS)
-    compile: bool = opt(False, "torch.compile each block")
-    enable_flashattn: bool = opt(False, "FlashAttention when installed, else SDPA")
-    enable_modulate_kernel: bool = opt(False, "fused Triton LayerNorm + adaLN modulate")
-    enable_layernorm_kernel: bool = opt(False, "fused LayerNorm (apex, else Triton)")
-    sequence_parallel_size: int = opt(1, "split each sample's tokens over this many ranks (under torchrun)",
-                                      check="positive")
-    sequence_parallel_type: str = opt("auto", _sp_help("auto: the model's method with the smaller volume"),
-                                      _sp_kinds)
+
+
+@dataclass
+class SampleParallel:
+    """Sampling over several processes."""
+    cfg_parallel: bool = opt(False, "classifier-free guidance's conditional and unconditional halves on two rank "
+                                    "groups (under torchrun: 2 x --sequence_parallel_size processes, or a "
+                                    "multiple); needs --cfg_scale > 1")
+
+
+@dataclass
+class SampleDecode:
+    """How the VAE decodes the samples."""
     vae_tiling: bool = opt(False, "decode with the VAE's own (diffusers') tiling: overlapping tiles, blended; bounds "
                                   "the decoder's memory for large images and videos (output differs slightly near "
                                   "seams)")
@@ -241,9 +317,11 @@ class SampleOptions:
     parallel_decode: bool = opt(False, "the ranks that share each sample (--sequence_parallel_size, --cfg_parallel) "
                                        "split its decode: by images or frames, or by tiles (--vae_tiling) when there "
                                        "are fewer than ranks; a causal video VAE's clips never by frames")
-    cfg_parallel: bool = opt(False, "classifier-free guidance's conditional and unconditional halves on two rank "
-                                    "groups (under torchrun: 2 x --sequence_parallel_size processes, or a "
-                                    "multiple); needs --cfg_scale > 1")
+
+
+@dataclass
+class SampleCaches:
+    """Reusing work across denoising steps."""
     cache: str = opt("none", "reuse the previous denoising step's work: teacache (skip every block while block 0's "
                              "modulated input has changed little), fbcache (skip all blocks after the first while its "
                              "residual has changed little), pab (broadcast attention outputs; video models); none: "
@@ -258,6 +336,13 @@ class SampleOptions:
     pab_temporal_every: int = opt(4, "pab: recompute temporal attention every N steps in --pab_range",
                                   check="positive")
     pab_cross_every: int = opt(6, "pab: recompute cross-attention every N steps in --pab_range", check="positive")
+
+
+SampleOptions = grouped("SampleOptions",
+                        ("checkpoint and model", SampleModel), ("sampling", SampleSampling),
+                        ("output", SampleOutput), ("parallelism", SequenceParallelOptions, SampleParallel),
+                        ("VAE decoding", SampleDecode), ("step caches (docs/sampling.md)", SampleCaches),
+                        ("speed", SpeedOptions))
 
 
 @dataclass

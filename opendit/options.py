@@ -6,6 +6,7 @@ the argparse choices, the check that refuses a bad value before any work starts,
 """
 import dataclasses
 import math
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import field
 
@@ -68,3 +69,16 @@ def check_value(f, value) -> None:
         fix = f.metadata.get("fix")
         raise ValueError(f"--{f.name} {value}: {what.format(a='an integer ' if isinstance(value, int) else '')}"
                          f"{'; ' + fix if fix else ''}")
+
+
+def grouped(name: str, *sections: tuple) -> type:
+    """One flat options dataclass (cfg.lr, cfg.plugin, ...) of named sections, each (title, option dataclasses...):
+    the fields in that order, and SECTIONS {first field: title}, which `--help` and docs/flags.md show. A section
+    dataclass used in two (e.g. the speed flags of train.py and sample.py) is declared once."""
+    fields, titles = [], {}
+    for title, *parts in sections:
+        own = [(f, typing.get_type_hints(part)[f.name]) for part in parts for f in dataclasses.fields(part)]
+        titles[own[0][0].name] = title
+        fields += [(f.name, hint, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+                   for f, hint in own]
+    return dataclasses.make_dataclass(name, fields, namespace={"SECTIONS": titles})

@@ -69,3 +69,15 @@ def test_explicit_num_classes_at_the_old_default_is_kept_for_a_folder(tmp_path):
     assert trainer.cfg.num_classes == 12 and trainer.model.num_classes == 12
     saved = cfglib.load_yaml(cfglib.TrainConfig, trainer.run_dir / "config.yaml")
     assert saved.num_classes == 12 and saved.vae_scale == 0.18215 and saved.image_size == 8  # resolved values
+
+
+def test_options_come_in_sections_and_shared_flags_are_declared_once():
+    """train.py's and sample.py's options are named sections; the speed and sequence-parallel flags both scripts
+    take are one declaration, so their help texts cannot drift apart."""
+    train, sample = cfglib.TrainOptions, cfglib.SampleOptions
+    assert {"model and data", "optimizer", "checkpoints and resuming", "parallelism", "speed"} <= \
+        set(train.SECTIONS.values())
+    for shared in (cfglib.SpeedOptions, cfglib.SequenceParallelOptions):
+        for f in dataclasses.fields(shared):
+            helps = [help_of(next(g for g in dataclasses.fields(cls) if g.name == f.name)) for cls in (train, sample)]
+            assert helps[0] == helps[1] == help_of(f), f.name
