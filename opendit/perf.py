@@ -90,7 +90,10 @@ class MFUMeter:
         return self.metrics(images / dt)
 
     def metrics(self, img_per_s: float) -> dict:
-        """{"tflops": model TFLOP/s per device, "mfu": fraction of the peak (absent without a peak)}."""
+        """{"tflops": model TFLOP/s per device, "mfu": fraction of the peak (absent without a peak)}; {} when the
+        family does not count its FLOPs (flops_per_image 0)."""
+        if not self.flops_per_image:
+            return {}
         flops = img_per_s * self.flops_per_image / self.world_size
         out = {"tflops": flops / 1e12}
         if self.peak:

@@ -18,6 +18,7 @@ from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
 from opendit.data import DatasetSpec, distinct_captions
 from opendit.encoders.vae_decode import DecodeOptions
+from opendit.families.writers import ImageWriter
 from opendit.options import opt
 
 
@@ -264,8 +265,9 @@ class ModelFamily:
         raise NotImplementedError
 
     def train_flops_per_sample(self, model: nn.Module) -> float:
-        """Model FLOPs of one training sample (3 passes x 2 FLOP per MAC), for the MFU in the log."""
-        raise NotImplementedError
+        """Model FLOPs of one training sample (3 passes x 2 FLOP per MAC), for the TFLOP/s and MFU in the log;
+        0: not counted (the log leaves them out)."""
+        return 0.0
 
     def objective(self, cfg, encoders) -> Objective:
         raise NotImplementedError
@@ -348,8 +350,8 @@ class ModelFamily:
 
     def writer(self, out_dir, sample_cfg, cfg):
         """-> an object with write(index, sample) (each process, its own samples) and finish(num, conditions)
-        (rank 0, after all have written)."""
-        raise NotImplementedError
+        (rank 0, after all have written); default: images (clips: opendit.families.clips.ClipFamily's)."""
+        return ImageWriter(Path(out_dir), npz=sample_cfg.npz)
 
     # ---- previews while training (opendit.training.preview) -------------------------------------------------
     def preview_settings(self, cfg) -> dict:

@@ -8,7 +8,6 @@ import dataclasses
 import os
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +17,6 @@ from opendit.data.buckets import Bucketable, parse_buckets
 from opendit.data.digits import parse_digits
 from opendit.encoders.vae import SD_VAE_SCALE, decode, load_vae, vae_geometry
 from opendit.families.base import MemoryProbe, ModelFamily
-from opendit.families.writers import ImageWriter
 from opendit.images import to_uint8
 
 
@@ -232,9 +230,6 @@ class LatentImageFamily(ModelFamily):
         """Samples for global indices -> uint8 with the channels last ([n, H, W, C]), decoded by the VAE if any."""
         return to_uint8(self.decode(loaded, self.sample_latents(loaded, sampler, indices, conditions, sample_cfg,
                                                                 device)))
-
-    def writer(self, out_dir, sample_cfg, cfg) -> ImageWriter:
-        return ImageWriter(Path(out_dir), npz=sample_cfg.npz)
 
     # ---- caching -------------------------------------------------------------------------------------------
     def resolve_cache_config(self, cfg):

@@ -5,7 +5,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 from opendit.data import LATENTS, dataset_map
 from opendit.diffusion.objective import DiffusionObjective
@@ -100,9 +99,6 @@ class BarsFamily(ClipFamily, GaussianDiffusionFamily):
     def build_model(self, cfg, latent_shape):
         return self.models[cfg.model].build(in_channels=latent_shape[0], text_dim=cfg.text_width,
                                             learn_sigma=cfg.learn_sigma)
-
-    def train_flops_per_sample(self, model) -> float:
-        return 6.0 * sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, nn.Linear))
 
     def objective(self, cfg, encoders: BarsEncoders) -> BarsObjective:
         return BarsObjective(encoders, cfg.learn_sigma, cfg.class_dropout_prob)
