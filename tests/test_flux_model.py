@@ -20,16 +20,8 @@ import torch.distributed as dist
 
 from opendit import kernels
 from opendit.families.base import DiffusionModel, check_model_contract
-from opendit.families.flux.model import (
-    FLUX_CONFIGS,
-    Flux,
-    flux_timestep_embedding,
-    image_ids,
-    pack_latents,
-    rope_freqs,
-    text_ids,
-    unpack_latents,
-)
+from opendit.families.flux.model import (FLUX_CONFIGS, Flux, flux_timestep_embedding, image_ids, pack_latents,
+                                         rope_freqs, text_ids, unpack_latents)
 from opendit.families.flux.weights import FLUX_WEIGHTS
 from opendit.kernels import set_kernels
 from opendit.parallel import enable_sequence_parallel

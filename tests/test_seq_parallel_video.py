@@ -18,14 +18,8 @@ import torch.distributed as dist
 
 from opendit.families.video.latte import Latte
 from opendit.families.video.vdit import VDiT
-from opendit.parallel import (
-    CommCounter,
-    comm_bytes_per_layer,
-    dsp_comm_bytes_per_block,
-    enable_sequence_parallel,
-    gather_comm_bytes,
-    validate_sp,
-)
+from opendit.parallel import (CommCounter, comm_bytes_per_layer, dsp_comm_bytes_per_block, enable_sequence_parallel,
+                              gather_comm_bytes, validate_sp)
 from tests.distributed import run_distributed
 from tests.test_seq_parallel_dist import GRAD_TOL, OUT_TOL
 

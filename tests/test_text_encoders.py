@@ -8,24 +8,11 @@ import pytest
 import torch
 
 from opendit.data import DIGIT_CAPTION_WORDS
-from opendit.encoders.text import (
-    CLIPTextEncoder,
-    TokenTextEncoder,
-    load_t5_encoder,
-    load_text_encoder,
-    t5_encoder_dim,
-    text_encoder_dim,
-)
+from opendit.encoders.text import (CLIPTextEncoder, TokenTextEncoder, load_t5_encoder, load_text_encoder,
+                                   t5_encoder_dim, text_encoder_dim)
 from opendit.encoders.tiny_clip import DEMO_WORDS, demo_words, save_tiny_clip
-from opendit.encoders.vae import (
-    FLUX_VAE_SCALE,
-    FLUX_VAE_SHIFT,
-    decode,
-    encode,
-    scale_latents,
-    unscale_latents,
-    vae_scale_shift,
-)
+from opendit.encoders.vae import decode, encode, scale_latents, unscale_latents, vae_scale_shift
+from opendit.families.flux.family import FLUX_VAE_SCALE, FLUX_VAE_SHIFT
 from opendit.families.flux.tiny_t5 import save_tiny_t5
 
 CAPTIONS = ["a handwritten seven", "the digit one", "an eight", ""]

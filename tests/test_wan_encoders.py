@@ -14,15 +14,8 @@ from opendit.encoders.text import TokenTextEncoder, load_t5_encoder
 from opendit.families.flux.tiny_t5 import save_tiny_t5
 from opendit.families.wan.text import load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.tiny_umt5 import save_tiny_umt5
-from opendit.families.wan.vae import (
-    is_wan_vae,
-    load_wan_vae,
-    save_tiny_wan_vae,
-    wan_decode,
-    wan_latent_shape,
-    wan_posterior,
-    wan_vae_config,
-)
+from opendit.families.wan.vae import (is_wan_vae, load_wan_vae, save_tiny_wan_vae, wan_decode, wan_latent_shape,
+                                      wan_posterior, wan_vae_config)
 
 CAPTIONS = ["the digit 3 moving up and left", "the digit 7 moving right", "the  digit 0\nmoving down", ""]
 

@@ -11,10 +11,6 @@ import torch
 from opendit.encoders.vae_decode import DecodeOptions, decode_latents
 
 SD_VAE_SCALE = 0.18215
-# FLUX's autoencoder (black-forest-labs/flux AutoEncoderParams scale_factor / shift_factor; diffusers' FLUX.1 vae
-# config: scaling_factor / shift_factor): 16 latent channels, z = (sample - 0.1159) * 0.3611
-FLUX_VAE_SCALE = 0.3611
-FLUX_VAE_SHIFT = 0.1159
 
 
 def scale_latents(z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float = 0.0) -> torch.Tensor:
@@ -30,7 +26,7 @@ def unscale_latents(z: torch.Tensor, scale: float = SD_VAE_SCALE, shift: float =
 def vae_scale_shift(vae) -> tuple[float, float]:
     """(scale, shift) from an AutoencoderKL's config (scaling_factor, shift_factor; a missing shift is 0): SD's
     VAE gives (0.18215, 0.0), FLUX's (0.3611, 0.1159). Use it when the folder's config is trusted; the
-    training flags default to SD_VAE_SCALE / FLUX_VAE_SCALE, FLUX_VAE_SHIFT per model family."""
+    training flags default to each model family's (its default_vae_scale and vae_shift)."""
     return float(vae.config.scaling_factor), float(getattr(vae.config, "shift_factor", None) or 0.0)
 
 

@@ -44,16 +44,16 @@ def latent_geometry(image_size: int, vae, data_channels: int, patch_size: int) -
     return image_size // factor, (data_channels if vae is None else latent_channels)
 
 
-def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale")):
+def settings_from_cache(cfg, keys=("image_size", "vae", "vae_scale"), folders=("vae",)):
     """--dataset latents: image size, VAE and scale (and the family's cache_keys) come from the cache's manifest
     (the class count from the dataset, later). A flag left out is taken from it; one given that disagrees is
-    an error."""
+    an error. `folders`: the keys that name folders (encoders), where "none" means the cache's and the same
+    folder may be spelt anew."""
     manifest = read_manifest(cfg.data_path)
     updates = {}
     for key in keys:
         given, cached = getattr(cfg, key), manifest.get(key)  # .get: caches from before buckets have none
-        # folders: "none" means "the cache's"; the same folder may be spelt anew
-        path = key in ("vae", "t5", "clip", "umt5")
+        path = key in folders
         if given is None or given == cached or (path and given.lower() == "none") or not (given or cached):
             updates[key] = cached
         elif not (path and os.path.realpath(given) == os.path.realpath(cached)):
@@ -71,6 +71,7 @@ class LatentImageFamily(ModelFamily):
     default_image_size = 16
     default_vae_scale = SD_VAE_SCALE
     vae_shift = 0.0  # latents are (z - shift) * scale (FLUX's autoencoder shifts)
+    encoder_folders: tuple[str, ...] = ("vae",)  # options naming encoder folders (a cache records them)
     # the family's usual VAE, for planning memory without loading it: SD's AutoencoderKL (4 latent channels, 8x
     # down; 83,653,863 parameters in diffusers' layout), fp32 as load_vae loads it
     vae_channels, vae_params = 4, 83_653_863
@@ -89,7 +90,7 @@ class LatentImageFamily(ModelFamily):
     def resolve_config(self, cfg):
         if self.dataset_spec(cfg).cache:
             cfg = settings_from_cache(cfg, ("image_size", "vae", "vae_scale", "buckets", "bucket_area", "bucket_frames")
-                                      + self.cache_keys)
+                                      + self.cache_keys, self.encoder_folders)
         return self.fill_defaults(cfg)
 
     def fill_defaults(self, cfg):

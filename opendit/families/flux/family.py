@@ -22,17 +22,9 @@ from safetensors import safe_open
 from opendit.booster import shard_frozen
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
-from opendit.encoders.text import (
-    CLIP_SOURCE,
-    T5_SOURCE,
-    FixedEmbeddings,
-    encoder_dtype,
-    load_t5_encoder,
-    load_text_encoder,
-    t5_encoder_dim,
-    text_encoder_dim,
-)
-from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, encode, load_vae, posterior_sample, scale_latents
+from opendit.encoders.text import (CLIP_SOURCE, T5_SOURCE, FixedEmbeddings, encoder_dtype, load_t5_encoder,
+                                   load_text_encoder, t5_encoder_dim, text_encoder_dim)
+from opendit.encoders.vae import encode, load_vae, posterior_sample, scale_latents
 from opendit.families.base import ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.flux.model import FLUX_CONFIGS, Flux, image_ids, pack_latents, text_ids, unpack_latents
 from opendit.families.flux.weights import FLUX_WEIGHTS
@@ -52,6 +44,11 @@ T5_HELP = "a local T5 encoder folder (T5EncoderModel + tokenizer, or a pipeline 
 CLIP_HELP = "the pooled-vector CLIP-L text encoder folder (or a pipeline folder with text_encoder/), required"
 T5_LENGTH_HELP = "T5 tokens per caption; default: a cache's, else the model's (flux-dev 512, flux-schnell 256, " \
                  "flux-debug 16)"
+
+# FLUX's autoencoder (black-forest-labs/flux AutoEncoderParams scale_factor / shift_factor; diffusers' FLUX.1 vae
+# config: scaling_factor / shift_factor): 16 latent channels, z = (sample - 0.1159) * 0.3611
+FLUX_VAE_SCALE = 0.3611
+FLUX_VAE_SHIFT = 0.1159
 
 
 @dataclass
@@ -204,6 +201,7 @@ class FluxFamily(LatentImageFamily):
                      "num_sampling_steps": "flux-schnell 4, other FLUX 50", "sampler": "FLUX: euler",
                      "vae_scale": "FLUX: its VAE's 0.3611, shifted by 0.1159"}
     cache_keys = ("t5", "clip", "t5_max_length")
+    encoder_folders = ("vae", "t5", "clip")
     checkpoint_formats = ("an official flux1-dev / flux1-schnell .safetensors",)
     weights = FLUX_WEIGHTS
     train_options = FluxTrainOptions

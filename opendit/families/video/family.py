@@ -24,12 +24,8 @@ from opendit.encoders.text import CLIP_SOURCE, FixedEmbeddings, encoder_dtype, l
 from opendit.encoders.vae import decode_frames, load_vae, posterior_frames, posterior_sample
 from opendit.families.base import ModelSpec, match_registry, preview_prompts
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
-from opendit.families.gaussian import (
-    GaussianDiffusionFamily,
-    GaussianSampleOptions,
-    GaussianTrainOptions,
-    official_shapes,
-)
+from opendit.families.gaussian import (GaussianDiffusionFamily, GaussianSampleOptions, GaussianTrainOptions,
+                                       official_shapes)
 from opendit.families.latent import check_multiple, is_none, latent_geometry
 from opendit.families.video.latte import Latte
 from opendit.families.video.vdit import VDiT

@@ -174,6 +174,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
                      "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
                      "sampler": "Wan: unipc (default) or euler", "vae_scale": "Wan 1: its VAE normalises per channel"}
     cache_keys = (*ClipFamily.cache_keys, "umt5")
+    encoder_folders = ("vae", "umt5")
     weights = WAN_WEIGHTS
     checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
                           "a diffusers Wan folder (transformer/)")
