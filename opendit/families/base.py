@@ -279,11 +279,9 @@ class ModelFamily:
             official = self.weights.load_official(path)
             if official is not None:
                 return official
-            if self.weights.diffusers_folder(path):
-                return self.weights.load_diffusers(path)[1]
             folder = model_folder(path) if Path(path).is_dir() else None
-            if folder is not None and "_class_name" in read_config(folder):  # another model's diffusers folder
-                self.weights.check_class(read_config(folder), f"{folder}/config.json")
+            if folder is not None and "_class_name" in read_config(folder):  # a diffusers folder: ours, or an error
+                return self.weights.load_diffusers(path)[1]
             if folder is None and Path(path, "model_index.json").is_file():
                 raise FileNotFoundError(f"{path!r} is a diffusers pipeline folder without transformer/config.json; "
                                         f"download its transformer/ folder too")
