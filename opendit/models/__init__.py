@@ -1,6 +1,7 @@
-"""Model code: shared layers (layers.py, blocks.py, pos_embed.py), one file per architecture (dit.py, vdit.py,
-latte.py, flux.py) and converters to and from diffusers' layouts (convert_diffusers.py, convert_flux_diffusers.py).
+"""Shared model code: layers (layers.py: patch embeddings, timestep / label embedders, attention, MLP), the
+adaLN-Zero blocks and the DiT size table (blocks.py), sin-cos position tables (pos_embed.py) and sampling's step
+caches (step_cache.py). Each architecture lives in its family's folder (opendit/families/<name>/model.py).
 
-Models are plain math: they import no family, registry or booster. Importing a shared layer imports no
-architecture. Model names live with their families: opendit.families.build_model("DiT-XL/2", ...) builds one.
+Layers are plain math: they import no family, registry or booster. Each layer with a fused path declares its
+`kernel_switches` (opendit.kernels.set_kernels); a model declares its `parallel_plan` (opendit.parallel).
 """
