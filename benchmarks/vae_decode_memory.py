@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from opendit.encoders.vae import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, decode  # noqa: E402
+from opendit.encoders.vae import decode  # noqa: E402
+from opendit.families.flux.family import FLUX_VAE_SCALE, FLUX_VAE_SHIFT  # noqa: E402
 from opendit.encoders.vae_decode import DecodeOptions  # noqa: E402
 from opendit.families.wan.vae import wan_decode  # noqa: E402
 
