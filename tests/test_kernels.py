@@ -236,13 +236,25 @@ def test_kernel_status_names_the_path():
 
 def test_bad_shapes_name_the_input():
     x = torch.randn(2, 5, 72)
-    with pytest.raises(ValueError, match="scale has shape"):
-        kernels.layernorm_modulate(x, torch.randn(2, 72), torch.randn(2, 5, 72))
+    with pytest.raises(ValueError, match="scale has shape"):  # neither per sample [2, 72] nor per token [2, 5, 72]
+        kernels.layernorm_modulate(x, torch.randn(2, 72), torch.randn(2, 4, 72))
     with pytest.raises(ValueError, match="gate has shape"):
         kernels.gated_residual(x, torch.randn(72), x)
     with pytest.raises(ValueError, match="freqs_cos has shape"):
         kernels.apply_rope(torch.randn(2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 4))
 
+
+
+def test_per_token_modulation_equals_its_math_on_either_switch():
+    """Wan2.2's per-token timesteps modulate each token: shift / scale / gate [B, N, C] take the PyTorch path (the
+    fused kernels stay per sample) and compute LN(x) * (1 + scale) + shift and x + gate * y token by token."""
+    g = torch.Generator().manual_seed(4)
+    x, y, shift, scale, gate = (torch.randn(2, 5, 72, generator=g) for _ in range(5))
+    ln = torch.nn.functional.layer_norm(x, (72,), eps=1e-6)
+    for use_kernel in (False, True):
+        torch.testing.assert_close(kernels.layernorm_modulate(x, shift, scale, use_kernel=use_kernel),
+                                   ln * (1 + scale) + shift)
+        torch.testing.assert_close(kernels.gated_residual(x, gate, y, use_kernel=use_kernel), x + gate * y)
 
 
 def test_kernels_inside_torch_compile_match_eager():

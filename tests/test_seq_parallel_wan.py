@@ -1,10 +1,11 @@
-"""Sequence parallelism of the Wan2.1 transformer (opendit.families.wan.model) on spawned gloo groups of 2 and 4 ranks.
+"""Sequence parallelism of the Wan transformer (opendit.families.wan.model) on spawned gloo groups of 2 and 4 ranks.
 
 The tiny random model of test_wan_model.py on 27 video tokens (a 3x3x3 patch grid: divisible by neither 2 nor 4,
 so the last rank's chunk is padded) gives the unsplit output and gradients, for FastSeq and Ulysses, with and
 without activation-checkpointed blocks (whose recompute re-runs the collectives): the q/k RMSNorm spans all heads,
 which Ulysses computes on its chunk before the all-to-all and FastSeq from the group's sums of squares. The list
-forward of equal-sized samples with different grids (per-sample RoPE) matches too. Bytes per self-attention layer
+forward of equal-sized samples with different grids (per-sample RoPE) matches too, and so do Wan2.2's per-token
+timesteps. Bytes per self-attention layer
 equal opendit.parallel.comm_bytes_per_layer; FastSeq's norm adds one [B, L] all-gather per norm. Tolerances as
 in test_seq_parallel_dist.py.
 """
@@ -38,10 +39,17 @@ def _run(model, x, t, context, target):
 
 
 def _case(group, kind, checkpoint):
-    """Unsplit vs split forward/backward of the whole model; the same (replicated) loss on every rank."""
+    """Unsplit vs split forward/backward of the whole model; the same (replicated) loss on every rank. checkpoint
+    "per-token": Wan2.2's per-token timesteps instead (the first latent frame's 9 tokens at t = 0, as TI2V's clean
+    first frame), whose modulation rows are split with their tokens."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model, inp = tiny_wan(), _inputs()
+    if checkpoint == "per-token":
+        x, t, context, target = inp
+        per_token = t[:, None].repeat(1, N)
+        per_token[:, :9] = 0
+        inp, checkpoint = (x, per_token, context, target), False
     ref = _run(copy.deepcopy(model), *inp)
     counter = CommCounter()
     enable_sequence_parallel(model, group, kind, counter)
@@ -72,7 +80,7 @@ def _list_case(group, kind):
 
 def _worker(rank, world_size):
     group = dist.group.WORLD
-    return {"model": {(kind, ckpt): _case(group, kind, ckpt) for kind in KINDS for ckpt in (False, True)},
+    return {"model": {(kind, ckpt): _case(group, kind, ckpt) for kind in KINDS for ckpt in (False, True, "per-token")},
             "list": {kind: _list_case(group, kind) for kind in KINDS}}
 
 
@@ -90,7 +98,7 @@ def test_sequence_parallel_equals_unsplit(P):
                 # every rank's loss is the whole loss: the group's SUM is P times the unsplit gradient
                 torch.testing.assert_close(grads[n] / P, ref_grads[n], **GRAD_TOL,
                                            msg=lambda m: f"{where} grad {n}: {m}")
-            if not ckpt:  # forward + backward of every self-attention layer; the head's gather is counted apart
+            if ckpt is False:  # forward + backward of every self-attention layer; the head's gather is counted apart
                 assert sum(v for k, v in sent.items() if k.startswith(kind)) == \
                     layers * comm_bytes_per_layer(kind, P, N, dim, B), (where, sent)
                 norm_bytes = layers * 2 * 2 * (P - 1) * B * padded_len(N, P) * 4  # q and k; fwd and bwd

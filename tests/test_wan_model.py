@@ -19,7 +19,7 @@ from opendit import kernels
 from opendit.checkpoint import load_into_meta_model
 from opendit.families.base import DiffusionModel, check_model_contract
 from opendit.checkpoint.folders import read_safetensors
-from opendit.families.wan.model import WAN_CONFIGS, WanModel
+from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
 from opendit.families.wan.weights import WAN_WEIGHTS
 from opendit.kernels import set_kernels
 from tests.wan_reference import reference_forward
@@ -64,12 +64,17 @@ def _read_tsv(name):
     return rows
 
 
-@pytest.mark.parametrize("name, tsv, params", [("Wan2.1-T2V-1.3B", "wan21_t2v-1_3B_state_dict.tsv", 1_418_996_800),
-                                               ("Wan2.1-T2V-14B", "wan21_t2v-14B_state_dict.tsv", 14_288_491_584)])
+@pytest.mark.parametrize("name, tsv, params", [
+    ("Wan2.1-T2V-1.3B", "wan21_t2v-1_3B_state_dict.tsv", 1_418_996_800),
+    ("Wan2.1-T2V-14B", "wan21_t2v-14B_state_dict.tsv", 14_288_491_584),
+    ("Wan2.2-TI2V-5B", "wan22_ti2v-5B_state_dict.tsv", 4_999_787_712),
+    ("Wan2.2-T2V-A14B", "wan22_t2v-A14B_expert_state_dict.tsv", 14_288_491_584),  # each of its two experts
+    ("Wan2.2-I2V-A14B", "wan22_i2v-A14B_expert_state_dict.tsv", 14_288_901_184),
+])
 def test_state_dict_equals_official_release(name, tsv, params):
     expected = _read_tsv(tsv)
     with torch.device("meta"):
-        model = WanModel(**WAN_CONFIGS[name])
+        model = WanModel(**{**WAN_CONFIGS, **WAN22_CONFIGS}[name])
     assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == expected
     assert sum(p.numel() for p in model.parameters()) == params
     model.load_state_dict({k: torch.empty(s, device="meta") for k, s in expected}, strict=True, assign=True)
@@ -78,8 +83,8 @@ def test_state_dict_equals_official_release(name, tsv, params):
 
 
 def test_unsupported_settings_and_bad_inputs_are_named():
-    with pytest.raises(ValueError, match="only the text-to-video"):
-        WanModel(**{**TINY, "model_type": "i2v"})
+    with pytest.raises(ValueError, match="'s2v' is not supported; valid: t2v, i2v, ti2v"):
+        WanModel(**{**TINY, "model_type": "s2v"})
     with pytest.raises(ValueError, match="global attention"):
         WanModel(**{**TINY, "window_size": (4, 4)})
     model = tiny_wan()

@@ -1,7 +1,9 @@
-"""An independent transcription of the official Wan2.1 WanModel forward (wan/modules/model.py, t2v), used ONLY as
-the parity reference of opendit.families.wan.model: plain functions over a state_dict, per-sample loops, float64 RoPE
-through complex numbers, captions zero-padded to text_len, padded video keys masked with an explicit mask in
-plain torch math (the official flash_attention's k_lens)."""
+"""An independent transcription of the official Wan2.1 WanModel forward (wan/modules/model.py, t2v) and of Wan2.2's
+(Wan-Video/Wan2.2 wan/modules/model.py: t expanded to one timestep per token, per-token modulation, the i2v
+conditioning channels y joined to x), used ONLY as the parity reference of opendit.families.wan.model: plain
+functions over a state_dict, per-sample loops, float64 RoPE through complex numbers, captions zero-padded to
+text_len, padded video keys masked with an explicit mask in plain torch math (the official flash_attention's
+k_lens)."""
 import math
 
 import torch
@@ -60,9 +62,12 @@ def attention(q, k, v, k_lens=None):
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def reference_forward(sd, cfg, x, t, context, seq_len):
+def reference_forward(sd, cfg, x, t, context, seq_len, y=None, wan22=False):
     """sd: the official state_dict; cfg: the official config (dim, num_heads, ...); x a list of [C, F, H, W],
-    t [B], context a list of [L_i, text_dim] -> a list of [out_dim, F, H, W] float32."""
+    t [B] (Wan2.2: or [B, seq_len]), context a list of [L_i, text_dim], y (Wan2.2 i2v) a list of [C_y, F, H, W]
+    -> a list of [out_dim, F, H, W] float32. wan22: Wan2.2's forward."""
+    if y is not None:
+        x = [torch.cat([u, v], dim=0) for u, v in zip(x, y)]
     dim, n, eps = cfg["dim"], cfg["num_heads"], cfg["eps"]
     d = dim // n
     patch = tuple(cfg["patch_size"])
@@ -76,16 +81,27 @@ def reference_forward(sd, cfg, x, t, context, seq_len):
     assert seq_lens.max() <= seq_len
     x = torch.cat([torch.cat([u, u.new_zeros(1, seq_len - u.size(1), u.size(2))], dim=1) for u in x])
 
-    e = _linear(sd, "time_embedding.2", F.silu(_linear(sd, "time_embedding.0",
-                                                       sinusoidal_embedding_1d(cfg["freq_dim"], t).float())))
-    e0 = _linear(sd, "time_projection.1", F.silu(e)).unflatten(1, (6, dim))
+    if wan22:  # one timestep per token
+        if t.dim() == 1:  # the official t.expand(t.size(0), seq_len) of its one-sample t [1], per sample
+            t = t[:, None].expand(t.size(0), seq_len)
+        bt = t.size(0)
+        sinusoid = sinusoidal_embedding_1d(cfg["freq_dim"], t.flatten()).unflatten(0, (bt, seq_len)).float()
+        e = _linear(sd, "time_embedding.2", F.silu(_linear(sd, "time_embedding.0", sinusoid)))
+        e0 = _linear(sd, "time_projection.1", F.silu(e)).unflatten(2, (6, dim))
+    else:
+        e = _linear(sd, "time_embedding.2", F.silu(_linear(sd, "time_embedding.0",
+                                                           sinusoidal_embedding_1d(cfg["freq_dim"], t).float())))
+        e0 = _linear(sd, "time_projection.1", F.silu(e)).unflatten(1, (6, dim))
 
     context = torch.stack([torch.cat([u, u.new_zeros(cfg["text_len"] - u.size(0), u.size(1))]) for u in context])
     context = _linear(sd, "text_embedding.2", F.gelu(_linear(sd, "text_embedding.0", context), approximate="tanh"))
 
     for i in range(cfg["num_layers"]):
         p = f"blocks.{i}."
-        m = (sd[p + "modulation"] + e0).chunk(6, dim=1)
+        if wan22:
+            m = [c.squeeze(2) for c in (sd[p + "modulation"].unsqueeze(0) + e0).chunk(6, dim=2)]
+        else:
+            m = (sd[p + "modulation"] + e0).chunk(6, dim=1)
         b, s = x.shape[:2]
         h = layer_norm(x, eps).float() * (1 + m[1]) + m[0]
         q = rms_norm(_linear(sd, p + "self_attn.q", h), sd[p + "self_attn.norm_q.weight"], eps).view(b, s, n, d)
@@ -105,7 +121,10 @@ def reference_forward(sd, cfg, x, t, context, seq_len):
         y = _linear(sd, p + "ffn.2", F.gelu(_linear(sd, p + "ffn.0", h), approximate="tanh"))
         x = x + y * m[5]
 
-    m = (sd["head.modulation"] + e.unsqueeze(1)).chunk(2, dim=1)
+    if wan22:
+        m = [c.squeeze(2) for c in (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).chunk(2, dim=2)]
+    else:
+        m = (sd["head.modulation"] + e.unsqueeze(1)).chunk(2, dim=1)
     x = _linear(sd, "head.head", layer_norm(x, eps) * (1 + m[1]) + m[0])
 
     out = []

@@ -117,34 +117,40 @@ def kernel_status(use_kernel: bool = True, device="cuda") -> str:
     return msg
 
 
-def _per_sample_rows(name, v, x):
-    """Accept [B, C] or [B, 1, C] for a per-sample vector of x [B, ..., C]; return [B, C]."""
+def _modulation_rows(name, v, x):
+    """Accept [B, C] or [B, 1, C] for a per-sample vector of x [B, ..., C] (returned as [B, C]), or x's own shape
+    for a per-token one (returned as it is)."""
     if x.dim() < 2:
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, N, C]")
     B, C = x.shape[0], x.shape[-1]
+    if v.shape == x.shape and x.dim() > 2:
+        return v
     if v.dim() == 3 and v.shape[1] == 1:
         v = v.squeeze(1)
     if tuple(v.shape) != (B, C):
-        raise ValueError(f"{name} has shape {tuple(v.shape)}; expected [B, C] = [{B}, {C}] "
-                         f"(one row per sample of x {tuple(x.shape)}); reshape it to [B, C]")
+        raise ValueError(f"{name} has shape {tuple(v.shape)}; expected [B, C] = [{B}, {C}] (one row per sample of "
+                         f"x {tuple(x.shape)}) or x's shape (one per token)")
     return v
 
 
 def layernorm_modulate(x, shift, scale, weight=None, bias=None, eps=1e-6, use_kernel=False):
-    """adaLN: LN(x) * (1 + scale[b]) + shift[b]; x [B, N, C], shift / scale [B, C]."""
-    shift, scale = _per_sample_rows("shift", shift, x), _per_sample_rows("scale", scale, x)
-    if _use_kernel("layernorm_modulate", use_kernel, x, shift, scale, weight, bias):
+    """adaLN: LN(x) * (1 + scale) + shift; x [B, N, C], shift / scale [B, C] (per sample; the fused kernel) or
+    [B, N, C] (per token: the PyTorch path)."""
+    shift, scale = _modulation_rows("shift", shift, x), _modulation_rows("scale", scale, x)
+    per_sample = shift.dim() == 2 and scale.dim() == 2
+    if per_sample and _use_kernel("layernorm_modulate", use_kernel, x, shift, scale, weight, bias):
         from opendit.kernels import triton_norm
         return triton_norm.norm(x, weight, bias, shift, scale, eps)
     return reference.layernorm_modulate(x, shift, scale, weight, bias, eps)
 
 
 def gated_residual(x, gate, y, use_kernel=False):
-    """x + gate[b] * y; x, y [B, N, C], gate [B, C]."""
-    gate = _per_sample_rows("gate", gate, x)
+    """x + gate * y; x, y [B, N, C], gate [B, C] (per sample; the fused kernel) or [B, N, C] (per token: the
+    PyTorch path)."""
+    gate = _modulation_rows("gate", gate, x)
     if x.shape != y.shape:
         raise ValueError(f"gated_residual: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
-    if _use_kernel("gated_residual", use_kernel, x, gate, y):
+    if gate.dim() == 2 and _use_kernel("gated_residual", use_kernel, x, gate, y):
         from opendit.kernels import triton_pointwise
         return triton_pointwise.gated_residual(x, gate, y)
     return reference.gated_residual(x, gate, y)

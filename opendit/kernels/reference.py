@@ -1,14 +1,18 @@
 """PyTorch reference twins of the fused kernels. Same signatures as the Triton versions.
 
-Shapes: x [B, N, C] (any middle dims, see `_per_sample`); per-sample shift / scale / gate [B, C];
-weight / bias [C]. These run everywhere (CPU, any dtype) and define what the kernels must compute.
+Shapes: x [B, N, C] (any middle dims, see `_per_sample`); shift / scale / gate per sample [B, C] or per token (x's
+shape, Wan2.2's per-token timesteps); weight / bias [C]. These run everywhere (CPU, any dtype) and define what the
+kernels must compute.
 """
 import torch
 import torch.nn.functional as F
 
 
 def _per_sample(v, x):
-    """[B, C] -> [B, 1, ..., 1, C] so one row of `v` applies to every token of sample b of x."""
+    """[B, C] -> [B, 1, ..., 1, C] so one row of `v` applies to every token of sample b of x; a per-token v (x's
+    shape) as it is."""
+    if v.shape == x.shape:
+        return v
     return v.reshape(v.shape[0], *([1] * (x.dim() - 2)), v.shape[-1])
 
 

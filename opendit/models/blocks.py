@@ -23,7 +23,8 @@ def is_per_sample_layer(name: str) -> bool:
 
 
 class AdaLNNorm(nn.Module):
-    """LayerNorm without affine, then per-sample modulation: LN(x) * (1 + scale[b]) + shift[b]."""
+    """LayerNorm without affine, then modulation: LN(x) * (1 + scale) + shift, scale and shift per sample [B, D]
+    or per token [B, N, D]."""
 
     kernel_switches = {"use_modulate_kernel": ("modulate",), "use_layernorm_kernel": ("layernorm",)}
 
@@ -37,7 +38,9 @@ class AdaLNNorm(nn.Module):
         if self.use_modulate_kernel:
             return kernels.layernorm_modulate(x, shift, scale, eps=self.eps, use_kernel=True)
         x = kernels.layer_norm(x, eps=self.eps, use_kernel=self.use_layernorm_kernel)
-        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+        if scale.dim() == 2:  # per sample
+            scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
+        return x * (1 + scale) + shift
 
 
 class AdaLNZeroBlock(nn.Module):

@@ -1,9 +1,13 @@
-"""Wan2.1 text-to-video transformer (the Wan team's WanModel, Apache-2.0): a DiT over 3-D patches of video latents
+"""Wan2.1 / Wan2.2 transformer (the Wan team's WanModel, Apache-2.0): a DiT over 3-D patches of video latents
 that cross-attends to umT5 text embeddings.
 
-The math and the state_dict (keys and shapes) equal the official `wan/modules/model.py` WanModel with model_type
-"t2v", so the released Wan2.1-T2V-1.3B and -14B weights load with strict=True (tests/data/wan21_t2v-*_state_dict.tsv;
+The math and the state_dict (keys and shapes) equal the official `wan/modules/model.py` WanModel of Wan2.1
+(model_type "t2v") and of Wan2.2 ("t2v", "i2v", "ti2v"), so the released Wan2.1-T2V-1.3B / -14B, Wan2.2-TI2V-5B
+and each expert of Wan2.2-T2V-A14B / -I2V-A14B load with strict=True (tests/data/wan2*_state_dict.tsv;
 weights.WanWeights reads the single and the sharded safetensors). Constructor arguments are the official config's.
+Wan2.2 adds two inputs: timesteps per token (t [B, L]: the time embedding and every modulation are then per
+token, as TI2V's clean first frame needs) and, for "i2v", the conditioning channels y (mask + first-frame latent)
+concatenated to x before the patch embedding.
 
     x [C, F, H, W] per sample --patch_embedding (Conv3d, stride patch_size)--> tokens [L, dim], L = f*h*w
     t [B] in 0..1000 --float64 sinusoid--> time_embedding --> e [B, dim] --time_projection--> e0 [B, 6, dim]
@@ -63,11 +67,28 @@ WAN_CONFIGS = {
     "Wan-debug": dict(_WAN_BASE, patch_size=(1, 4, 4), dim=128, ffn_dim=512, freq_dim=64, num_heads=4, num_layers=4,
                       text_len=16, text_dim=32),
 }
+# Wan2.2's releases: each A14B expert is Wan2.1-14B's architecture (I2V: 36 input channels = 16 noisy latent + 4
+# mask + 16 first-frame latent); TI2V-5B works on the Wan2.2 VAE's 48 channels.
+WAN22_CONFIGS = {
+    "Wan2.2-T2V-A14B": WAN_CONFIGS["Wan2.1-T2V-14B"],
+    "Wan2.2-I2V-A14B": dict(WAN_CONFIGS["Wan2.1-T2V-14B"], model_type="i2v", in_dim=36),
+    "Wan2.2-TI2V-5B": dict(_WAN_BASE, model_type="ti2v", in_dim=48, out_dim=48, dim=3072, ffn_dim=14336,
+                           num_heads=24, num_layers=30),
+}
+MODEL_TYPES = ("t2v", "i2v", "ti2v")
+
+
+def modulation(table: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A modulation table [1, k, dim] plus e per sample [B, k, dim] or per token [B, n, k, dim], in fp32 -> its k
+    rows, each [B, dim] or [B, n, dim]."""
+    if e.dim() == table.dim():
+        return (table.float() + e.float()).unbind(1)
+    return (table.float().unsqueeze(1) + e.float()).unbind(2)
 
 
 # ------------------------------------------------------------------------------------------- embeddings
 def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
-    """Timesteps t [B] -> [B, dim] float64: cat(cos, sin) of t * 10000^(-j / half), j < half = dim / 2."""
+    """Timesteps t [N] -> [N, dim] float64: cat(cos, sin) of t * 10000^(-j / half), j < half = dim / 2."""
     half = dim // 2
     t = t.to(torch.float64)
     sinusoid = torch.outer(t, torch.pow(10000, -torch.arange(half, dtype=torch.float64, device=t.device).div(half)))
@@ -208,8 +229,9 @@ class WanAttentionBlock(nn.Module):
         self.modulation = nn.Parameter(torch.empty(1, 6, dim))
 
     def forward(self, x, e0, freqs, context, mask=None):
-        """x [B, n, dim], e0 [B, 6, dim], context [B, text_len, dim]; freqs, mask as WanSelfAttention's."""
-        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0.float()).unbind(1)
+        """x [B, n, dim], e0 [B, 6, dim] (or per token [B, n, 6, dim]), context [B, text_len, dim]; freqs, mask as
+        WanSelfAttention's."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, e0)
         fused = self.norm1.use_modulate_kernel
         y = self.self_attn(self.norm1(x.float(), shift1, scale1), freqs, mask)
         x = kernels.gated_residual(x, gate1, y, use_kernel=fused)
@@ -218,8 +240,8 @@ class WanAttentionBlock(nn.Module):
         return kernels.gated_residual(x, gate2, y, use_kernel=fused)
 
     def modulated_input(self, x, e0):
-        """What self-attention reads, norm1 modulated by e0 [B, 6, dim] -> [B, n, dim] fp32: TeaCache's signal."""
-        shift1, scale1 = (self.modulation.float() + e0.float()).unbind(1)[:2]
+        """What self-attention reads, norm1 modulated by e0 -> [B, n, dim] fp32: TeaCache's signal."""
+        shift1, scale1 = modulation(self.modulation, e0)[:2]
         return self.norm1(x.float(), shift1, scale1)
 
 
@@ -233,14 +255,14 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.empty(1, 2, dim))
 
     def forward(self, x, e):
-        """x [B, n, dim], e [B, dim] -> [B, n, prod(patch_size) * out_dim]."""
-        shift, scale = (self.modulation.float() + e.float().unsqueeze(1)).unbind(1)
+        """x [B, n, dim], e [B, dim] (or per token [B, n, dim]) -> [B, n, prod(patch_size) * out_dim]."""
+        shift, scale = modulation(self.modulation, e.unsqueeze(-2))
         return self.head(self.norm(x.float(), shift, scale).to(self.head.weight.dtype))
 
 
 # ------------------------------------------------------------------------------------------------ model
 class WanModel(nn.Module):
-    """The Wan2.1 text-to-video transformer; arguments are the official config's (WAN_CONFIGS holds the releases')."""
+    """The Wan transformer; arguments are the official config's (WAN_CONFIGS and WAN22_CONFIGS hold the releases')."""
 
     _block_lists = ("blocks",)
     parallel_plan = ParallelPlan(attention=(WanSelfAttention,), split=("video tokens", "their RoPE angles"),
@@ -253,14 +275,15 @@ class WanModel(nn.Module):
                  num_heads: int = 16, num_layers: int = 32, window_size=(-1, -1), qk_norm: bool = True,
                  cross_attn_norm: bool = True, eps: float = 1e-6):
         super().__init__()
-        if model_type != "t2v":
-            raise ValueError(f"model_type {model_type!r} is not supported: only the text-to-video model 't2v' is "
-                             f"implemented (i2v and the others add image inputs)")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; valid: {', '.join(MODEL_TYPES)} (Wan2.2's "
+                             f"speech-to-video 's2v' adds audio inputs opendit does not have)")
         if tuple(window_size) != (-1, -1):
             raise ValueError(f"window_size {tuple(window_size)} is not supported: only global attention (-1, -1), "
                              f"as every released Wan2.1 model uses")
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"dim {dim} must split into {num_heads} heads of an even size (RoPE rotates pairs)")
+        self.model_type = model_type
         self.patch_size, self.text_len, self.in_dim, self.out_dim = tuple(patch_size), text_len, in_dim, out_dim
         self.dim, self.freq_dim, self.text_dim, self.num_heads = dim, freq_dim, text_dim, num_heads
         self.patch_embedding = nn.Conv3d(in_dim, dim, kernel_size=self.patch_size, stride=self.patch_size)
@@ -287,34 +310,43 @@ class WanModel(nn.Module):
         nn.init.zeros_(self.head.head.weight)
 
     # --------------------------------------------------------------------------------------- forward
-    def forward(self, x, t, context, seq_len: int | None = None):
+    def forward(self, x, t, context, seq_len: int | None = None, y=None):
         """The official forward on lists, or the batched one on tensors.
 
-        Lists: x [C, F, H, W] latents (sizes may differ), t [B] in 0..1000, context [L_i, text_dim] umT5 outputs
-        (L_i <= text_len, zero-padded here), seq_len >= every sample's f*h*w tokens -> [out_dim, F, H, W] each.
-        Tensors: x [B, C, F, H, W], t [B], context [B, text_len, text_dim] already zero-padded past each
-        caption's tokens (umT5's outputs at padding tokens are not zeros) -> [B, out_dim, F, H, W].
-        Outputs are fp32.
+        Lists: x [C, F, H, W] latents (sizes may differ), t [B] in 0..1000 (or per token [B, seq_len]), context
+        [L_i, text_dim] umT5 outputs (L_i <= text_len, zero-padded here), seq_len >= every sample's f*h*w tokens,
+        y (i2v) [C_y, F, H, W] each -> [out_dim, F, H, W] each.
+        Tensors: x [B, C, F, H, W], t [B] (or per token [B, f*h*w]), context [B, text_len, text_dim] already
+        zero-padded past each caption's tokens (umT5's outputs at padding tokens are not zeros), y (i2v) [B, C_y, F,
+        H, W] -> [B, out_dim, F, H, W].
+        y, the i2v model's conditioning channels (mask and first-frame latent), joins x's channels before the patch
+        embedding (C + C_y = in_dim). Outputs are fp32.
         """
+        if (y is None) == (self.model_type == "i2v"):
+            wants = "y, the conditioning channels (mask + first-frame latent)" if y is None else \
+                "no y (only an i2v model has conditioning channels)"
+            raise ValueError(f"the {self.model_type} model takes {wants}")
         if torch.is_tensor(x):
-            return self._forward_batch(x, t, context)
-        return self._forward_list(x, t, context, seq_len)
+            return self._forward_batch(x if y is None else torch.cat([x, y], 1), t, context)
+        return self._forward_list(x if y is None else [torch.cat([u, v]) for u, v in zip(x, y)], t, context, seq_len)
 
     def _forward_batch(self, x, t, context):
         B = x.shape[0]
-        if x.ndim != 5 or tuple(t.shape) != (B,) or tuple(context.shape) != (B, self.text_len, self.text_dim):
-            raise ValueError(f"the tensor forward takes x [B, C, F, H, W], t [B] and context [B, text_len="
-                             f"{self.text_len}, text_dim={self.text_dim}]; got {tuple(x.shape)}, {tuple(t.shape)}, "
-                             f"{tuple(context.shape)} (zero-pad each caption's embedding to text_len)")
+        if x.ndim != 5 or t.shape[:1] != (B,) or t.ndim > 2 or tuple(context.shape) != (B, self.text_len,
+                                                                                        self.text_dim):
+            raise ValueError(f"the tensor forward takes x [B, C, F, H, W], t [B] (or per token [B, f*h*w]) and "
+                             f"context [B, text_len={self.text_len}, text_dim={self.text_dim}]; got {tuple(x.shape)}, "
+                             f"{tuple(t.shape)}, {tuple(context.shape)} (zero-pad each caption's embedding to "
+                             f"text_len)")
         tokens, grid = self._embed(x)
         freqs = rope_freqs(grid, self.dim // self.num_heads, device=x.device)
         out = self._transformer(tokens, t, context, freqs)
         return self._unpatchify(out, grid).float()
 
     def _forward_list(self, x, t, context, seq_len):
-        if len(context) != len(x) or tuple(t.shape) != (len(x),):
-            raise ValueError(f"{len(x)} latents need {len(x)} captions and t of shape [{len(x)}]; got "
-                             f"{len(context)} captions and t {tuple(t.shape)}")
+        if len(context) != len(x) or t.shape[:1] != (len(x),) or t.ndim > 2:
+            raise ValueError(f"{len(x)} latents need {len(x)} captions and t of shape [{len(x)}] (or per token "
+                             f"[{len(x)}, seq_len]); got {len(context)} captions and t {tuple(t.shape)}")
         embedded = [self._embed(u[None]) for u in x]
         lens = [tokens.shape[1] for tokens, _ in embedded]
         if seq_len is None or seq_len < max(lens):
@@ -344,10 +376,13 @@ class WanModel(nn.Module):
         return x.flatten(2).transpose(1, 2), tuple(x.shape[2:])
 
     def _transformer(self, x, t, context, freqs, mask=None):
-        """Tokens x [B, L, dim], t [B], context [B, text_len, text_dim], freqs [L, Dh/2] or [B, L, Dh/2], mask
-        [B, 1, 1, L] or None -> patches [B, L, prod(patch_size) * out_dim]."""
-        e = self.time_embedding(sinusoidal_embedding(self.freq_dim, t).to(self.time_embedding[0].weight.dtype))
-        e0 = self.time_projection(e).float().unflatten(1, (6, self.dim))
+        """Tokens x [B, L, dim], t [B] (or per token [B, L]), context [B, text_len, text_dim], freqs [L, Dh/2] or
+        [B, L, Dh/2], mask [B, 1, 1, L] or None -> patches [B, L, prod(patch_size) * out_dim]."""
+        if t.ndim == 2 and t.shape[1] != x.shape[1]:
+            raise ValueError(f"per-token timesteps t {tuple(t.shape)} must have one per token: [B, {x.shape[1]}]")
+        sinusoid = sinusoidal_embedding(self.freq_dim, t.flatten()).to(self.time_embedding[0].weight.dtype)
+        e = self.time_embedding(sinusoid).unflatten(0, t.shape)  # [B, dim], or per token [B, L, dim]
+        e0 = self.time_projection(e).float().unflatten(-1, (6, self.dim))
         context = self.text_embedding(context.to(self.text_embedding[0].weight.dtype))
         sp, n = self.sequence_parallel, x.shape[1]
         if sp is not None:
@@ -355,6 +390,8 @@ class WanModel(nn.Module):
                 raise ValueError("sequence parallelism does not take padded samples: pass samples of seq_len tokens "
                                  "each, or the tensor forward")
             freqs = sp.pad_full(freqs, dim=-2) if sp.kind == "fastseq" else sp.split(freqs, dim=-2)
+            if t.ndim == 2:  # per-token modulation follows its tokens
+                e, e0 = sp.split(e), sp.split(e0)
             x = sp.split(x)
         loop = BlockLoop(partial(self._blocks, e0=e0, freqs=freqs, context=context, mask=mask), len(self.blocks),
                          x.shape[0], lambda x: self.blocks[0].modulated_input(x, e0),

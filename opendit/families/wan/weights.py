@@ -71,9 +71,9 @@ def _diffusers_to_wan(state: dict) -> dict:
 def _wan_arch_to_diffusers(wan_config: dict) -> dict:
     """Our WanModel constructor kwargs -> WanTransformer3DModel's."""
     cfg = dict(wan_config)
-    if cfg.get("model_type", "t2v") != "t2v" or not cfg.get("qk_norm", True):
-        raise ValueError("only the text-to-video model with q/k norms (model_type 't2v', qk_norm=True) converts: "
-                         "diffusers' WanTransformer3DModel always normalises q and k")
+    if not cfg.get("qk_norm", True):
+        raise ValueError("only models with q/k norms (qk_norm=True) convert: diffusers' WanTransformer3DModel always "
+                         "normalises q and k")
     return dict(patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), num_attention_heads=cfg["num_heads"],
                 attention_head_dim=cfg["dim"] // cfg["num_heads"], in_channels=cfg.get("in_dim", 16),
                 out_channels=cfg.get("out_dim", 16), text_dim=cfg.get("text_dim", 4096),
@@ -88,20 +88,24 @@ def _wan_arch(config) -> dict:
     config = dict(config)
     WAN_WEIGHTS.check_class({"_class_name": "WanTransformer3DModel", **config}, "the config")
     if config.get("image_dim") or config.get("added_kv_proj_dim"):
-        raise ValueError("this WanTransformer3DModel takes image embeddings (image-to-video); only text-to-video "
-                         "Wan2.1 models convert")
+        raise ValueError("this WanTransformer3DModel takes CLIP image embeddings (Wan2.1's image-to-video); Wan2.1 "
+                         "text-to-video and the Wan2.2 models (no image embedder) convert")
     heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
     in_dim = config.get("in_channels", 16)
-    return dict(model_type="t2v", patch_size=tuple(config.get("patch_size", (1, 2, 2))), text_len=512, in_dim=in_dim,
+    out_dim = config.get("out_channels") or in_dim
+    # Wan2.2 I2V takes the noisy latent, a 4-channel mask and the first frame's latent; t2v and ti2v are one network
+    i2v = in_dim == 2 * out_dim + 4
+    return dict(model_type="i2v" if i2v else "t2v", patch_size=tuple(config.get("patch_size", (1, 2, 2))),
+                text_len=512, in_dim=in_dim,
                 dim=heads * head_dim, ffn_dim=config.get("ffn_dim", 13824), freq_dim=config.get("freq_dim", 256),
-                text_dim=config.get("text_dim", 4096), out_dim=config.get("out_channels") or in_dim, num_heads=heads,
+                text_dim=config.get("text_dim", 4096), out_dim=out_dim, num_heads=heads,
                 num_layers=config.get("num_layers", 40), window_size=(-1, -1), qk_norm=True,
                 cross_attn_norm=config.get("cross_attn_norm", True), eps=config.get("eps", 1e-6))
 
 
 class WanWeights(WeightAdapter):
-    """Wan2.1's weights: official (ours; a release folder or its safetensors, sharded with an index) <-> diffusers'
-    WanTransformer3DModel, its folders and pipeline folders."""
+    """Wan2.1's and Wan2.2's weights: official (ours; a release folder or its safetensors, sharded with an index)
+    <-> diffusers' WanTransformer3DModel, its folders and pipeline folders."""
     diffusers_classes = ("WanTransformer3DModel",)
 
     def to_diffusers(self, state):
