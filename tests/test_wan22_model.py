@@ -1,7 +1,8 @@
-"""Wan2.2's transformer inputs in opendit's WanModel, against tests/wan_reference.py's transcription of the
-official Wan2.2 forward (wan22=True) and diffusers' WanTransformer3DModel: timesteps per token (TI2V's clean first
-frame: its tokens at t = 0), a [B] timestep equal to its per-token expansion, and the i2v model's conditioning
-channels. The official key lists of TI2V-5B and both A14B experts: tests/test_wan_model.py."""
+"""Wan2.2 in the Wan family: the transformer's new inputs against tests/wan_reference.py's transcription of the
+official Wan2.2 forward (wan22=True) and diffusers' WanTransformer3DModel — timesteps per token (TI2V's clean first
+frame: its tokens at t = 0), a [B] timestep equal to its per-token expansion, the i2v model's conditioning channels
+— and TI2V's text-to-video use with the Wan2.2 VAE through the entry scripts. The official key lists of TI2V-5B and
+both A14B experts: tests/test_wan_model.py; the Wan2.2 VAE's tiled decode: tests/test_vae_decode.py."""
 import pytest
 import torch
 
@@ -90,3 +91,33 @@ def test_per_token_timesteps_equal_diffusers_wan_transformer():
 def test_wan22_models_build():
     for kind in ("t2v", "i2v", "ti2v"):
         assert WanModel(**{**TINY, "model_type": kind}).model_type == kind
+
+
+@pytest.mark.slow
+def test_ti2v_text_to_video_trains_caches_and_samples_with_the_wan22_vae(tmp_path):
+    """Wan2.2-debug (TI2V-5B's network at CPU size) with a tiny random Wan2.2 VAE (48 channels, 16x): train.py,
+    preprocess.py, training on that cache, sample.py; the latents are 16x smaller than the clips."""
+    import json
+
+    import numpy as np
+
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
+    from opendit.families.wan.vae import save_tiny_wan_vae
+    from tests.test_video_family import cli
+
+    umt5 = save_tiny_umt5(tmp_path / "umt5", max_length=16)
+    vae = save_tiny_wan_vae(tmp_path / "vae", wan22=True)
+    common = ["--model", "Wan2.2-debug", "--umt5", umt5, "--batch_size", "2", "--max_steps", "2", "--log_every", "1",
+              "--num_workers", "0"]
+    cli("train.py", *common, "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--vae", vae,
+        "--outputs", tmp_path / "runs")
+    cli("preprocess.py", "--family", "wan", "--model", "Wan2.2-debug", "--dataset", "moving_digits",
+        "--image_size", "32", "--num_frames", "5", "--vae", vae, "--umt5", umt5, "--batch_size", "4",
+        "--num_workers", "0", "--out", tmp_path / "cache")
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["latent_shape"] == [48, 2, 2, 2]
+    cli("train.py", *common, "--dataset", "latents", "--data_path", tmp_path / "cache",
+        "--outputs", tmp_path / "cached")
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "the digit 3 moving up",
+        "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "samples")
+    clips = np.load(tmp_path / "samples" / "samples.npz")["arr_0"]
+    assert clips.shape == (1, 5, 32, 32, 3) and clips.dtype == np.uint8

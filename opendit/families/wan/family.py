@@ -31,20 +31,24 @@ from opendit.encoders.vae import posterior_sample
 from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.wan.model import WAN_CONFIGS, WanModel
+from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
-from opendit.families.wan.vae import load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
+from opendit.families.wan.vae import VAE_PARAMS, load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
 from opendit.families.wan.weights import WAN_WEIGHTS
 from opendit.options import opt
 from opendit.perf import matmul_macs
 from opendit.seeding import sampling_generator
 
 # What each model implies beyond its architecture: the time shift of its training and sampling schedule, the
-# sampling steps and guidance scale of Wan's generate.py, and the frame rate of its videos.
-WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
-                 "Wan2.1-T2V-14B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16),
-                 "Wan-debug": dict(flow_shift=1.0, sampling_steps=20, cfg_scale=8.0, fps=4)}
-WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name]) for name, arch in WAN_CONFIGS.items()}
+# sampling steps and guidance scale of Wan's generate.py, the frame rate of its videos and its VAE's latent
+# channels (16: Wan2.1's VAE, 8x in space; 48: Wan2.2's, 16x). Wan2.2-TI2V-5B here is its text-to-video use.
+_WAN21 = dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16, vae_channels=16)
+_DEBUG = dict(flow_shift=1.0, sampling_steps=20, cfg_scale=8.0, fps=4)
+WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": _WAN21, "Wan2.1-T2V-14B": _WAN21, "Wan-debug": dict(_DEBUG, vae_channels=16),
+                 "Wan2.2-TI2V-5B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=24, vae_channels=48),
+                 "Wan2.2-debug": dict(_DEBUG, vae_channels=48)}
+WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name])
+              for name, arch in {**WAN_CONFIGS, **WAN22_CONFIGS}.items() if name in WAN_CONSTANTS}
 UMT5_HELP = "a local UMT5 encoder folder (UMT5EncoderModel + tokenizer, or a Wan diffusers folder with text_encoder/)"
 SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); default: the model's (Wan2.1 5)"
 SAMPLERS = ("unipc", "euler")
@@ -276,13 +280,16 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return 3 * 2 * float(wan_forward_macs(model, model.num_tokens))
 
     def memory_probe(self, cfg, device) -> MemoryProbe:
-        """Wan2.1's VAE geometry (16 channels, 4x in time, 8x in space; 126,892,531 parameters in diffusers'
-        AutoencoderKLWan, fp32) and UMT5-XXL's encoder, unless --vae none (pixel space, no encoders)."""
+        """The model's VAE geometry (Wan2.1's: 16 channels, 4x in time, 8x in space; Wan2.2's: 48, 4x, 16x), the
+        VAE's fp32 bytes (diffusers' AutoencoderKLWan) and UMT5-XXL's encoder, unless --vae none (pixel space, no
+        encoders)."""
         if is_none(cfg.vae):
             return MemoryProbe(self.latent_shape(cfg, WanEncoders(vae=None, text=None)))
-        shape = self.check_patches(cfg, wan_latent_shape({}, cfg.num_frames, cfg.image_size, cfg.image_size))
+        z_dim = self.constant(cfg.model, "vae_channels")
+        geometry = {"z_dim": z_dim, "scale_factor_spatial": 16 if z_dim == 48 else 8}
+        shape = self.check_patches(cfg, wan_latent_shape(geometry, cfg.num_frames, cfg.image_size, cfg.image_size))
         return MemoryProbe(shape, {"UMT5-XXL encoder": encoder_dtype(device).itemsize * UMT5_SOURCE.params,
-                                   "Wan VAE": 4 * 126_892_531})
+                                   "Wan VAE": 4 * VAE_PARAMS[z_dim]})
 
     def memory_model(self, cfg, latent_shape):
         """build_model's model with UMT5-XXL's 4096-wide tokens (the architecture's text_dim)."""
@@ -301,14 +308,15 @@ class WanFamily(ClipFamily, LatentImageFamily):
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str):
-        """An official Wan2.1 T2V folder or a diffusers Wan folder: the model from its config; a pipeline folder
-        also names its VAE and UMT5."""
+        """An official Wan2.1 T2V or Wan2.2 TI2V folder, or a diffusers Wan folder: the model from its config; a
+        pipeline folder also names its VAE and UMT5. (Image-to-video and two-expert folders are not run yet.)"""
         p = Path(path)
         kind, config = wan_folder(p)
-        if kind is None or config.get("model_type", "t2v") != "t2v":
+        if kind is None or config.get("model_type", "t2v") not in ("t2v", "ti2v"):
             return None
-        name = next((n for n, a in WAN_CONFIGS.items() if (a["dim"], a["num_layers"]) ==
-                     (config.get("dim"), config.get("num_layers"))), None)
+        found = (config.get("dim"), config.get("num_layers"), config.get("in_dim", 16))
+        name = next((n for n, s in WAN_MODELS.items()
+                     if (s.arch["dim"], s.arch["num_layers"], s.arch.get("in_dim", 16)) == found), None)
         settings = dict(dataset="video_csv", image_size=480, num_frames=81, num_classes=0)
         if (p / "vae").is_dir():
             settings["vae"] = str(p / "vae")

@@ -1,17 +1,18 @@
-"""Wan2.1's frozen causal 3-D VAE (diffusers AutoencoderKLWan): clips in [-1, 1] <-> normalised latents.
+"""Wan's frozen causal 3-D VAEs (diffusers AutoencoderKLWan): clips in [-1, 1] <-> normalised latents.
 
-The VAE compresses 4x in time and 8x in space, causally: the first frame alone, then 4 frames at a time, so a clip
-of 1 + 4k frames gives 1 + k latent frames of z_dim (16) channels. Latents are normalised per channel with the
-config's latents_mean / latents_std lists, as diffusers' WanPipeline does: z_norm = (z - mean) / std, and decoding
-takes z_norm * std + mean. Nothing is downloaded: pass a local folder (the vae/ of Wan-AI/Wan2.1-T2V-1.3B-Diffusers,
-or that whole pipeline folder).
+Wan2.1's VAE compresses 4x in time and 8x in space into 16 channels; Wan2.2's (TI2V-5B's) 4x in time and 16x in
+space into 48 (a residual VAE over 2x2-patchified frames). Both are causal: the first frame alone, then 4 frames at
+a time, so a clip of 1 + 4k frames gives 1 + k latent frames; the geometry is read from the config. Latents are
+normalised per channel with the config's latents_mean / latents_std lists, as diffusers' WanPipeline does: z_norm =
+(z - mean) / std, and decoding takes z_norm * std + mean. Nothing is downloaded: pass a local folder (the vae/ of
+Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or that whole pipeline folder).
 """
 import glob
-import json
 import os
 
 import torch
 
+from opendit.checkpoint.folders import model_folder, read_config
 from opendit.encoders.vae_decode import DecodeOptions, VAEDecoding, decode_latents
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
@@ -57,21 +58,11 @@ def _is_none(path) -> bool:
     return path is None or str(path).strip().lower() == "none"
 
 
-def _vae_folder(path: str) -> str | None:
-    """The folder holding the VAE's config.json: `path` itself or its vae/ (a pipeline folder); None if neither."""
-    return next((f for f in (path, os.path.join(path, "vae")) if os.path.isfile(os.path.join(f, "config.json"))), None)
-
-
-def _read_config(folder: str) -> dict:
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
-
-
 def is_wan_vae(path) -> bool:
     """Whether `path` is a local folder (or pipeline folder with vae/) whose config.json is an AutoencoderKLWan's;
     False for None / "none", a hub id, a missing folder or another VAE (SD's 2-D AutoencoderKL). No weights read."""
-    folder = None if _is_none(path) else _vae_folder(str(path))
-    return folder is not None and _read_config(folder).get("_class_name") == WAN_VAE_CLASS
+    folder = None if _is_none(path) else model_folder(str(path), "vae")
+    return folder is not None and read_config(folder).get("_class_name") == WAN_VAE_CLASS
 
 
 def _wan_folder(path: str) -> str:
@@ -79,10 +70,10 @@ def _wan_folder(path: str) -> str:
     files otherwise."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--vae {path!r} does not exist; pass a local Wan VAE folder: {NEEDS}")
-    folder = _vae_folder(path)
+    folder = model_folder(path, "vae")
     if folder is None:
         raise FileNotFoundError(f"--vae {path!r} has no config.json (nor vae/config.json): {NEEDS}")
-    config = _read_config(folder)
+    config = read_config(folder)
     if config.get("_class_name") != WAN_VAE_CLASS:
         name = config.get("_class_name") or config.get("model_type")  # a diffusers class, or a transformers model
         raise ValueError(f"--vae {path!r}: {os.path.join(folder, 'config.json')} describes a {name!r} model, not "
@@ -92,7 +83,7 @@ def _wan_folder(path: str) -> str:
 
 def wan_vae_config(path) -> dict:
     """The config.json of the Wan VAE at `path` (no weights read); the errors of load_wan_vae for a wrong path."""
-    return _read_config(_wan_folder(str(path)))
+    return read_config(_wan_folder(str(path)))
 
 
 def load_wan_vae(path, device="cpu", dtype: torch.dtype = torch.float32):
@@ -147,9 +138,9 @@ def wan_posterior(vae, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """video float [B, 3, T, H, W] in [-1, 1] (T = 1 + 4k; H, W multiples of 8) -> the posterior's (mean, std),
     normalised ((mean - latents_mean) / latents_std, std / latents_std), float32 [B, z_dim, 1 + k, H/8, W/8] on
     video's device: a latent sample is mean + std * randn, what a cache stores and training draws."""
-    if video.ndim != 5 or video.shape[1] != vae.config.in_channels:
-        raise ValueError(f"video must be [B, {vae.config.in_channels}, T, H, W] in [-1, 1], got shape "
-                         f"{tuple(video.shape)}")
+    channels = vae.config.in_channels // (vae.config.get("patch_size") or 1) ** 2  # Wan2.2's patchifies RGB
+    if video.ndim != 5 or video.shape[1] != channels:
+        raise ValueError(f"video must be [B, {channels}, T, H, W] in [-1, 1], got shape {tuple(video.shape)}")
     wan_latent_shape(vae, *video.shape[2:])  # checks T, H, W
     param = next(vae.parameters())
     posterior = vae.encode(video.to(device=param.device, dtype=param.dtype)).latent_dist
@@ -171,16 +162,25 @@ def wan_decode(vae, latents: torch.Tensor, options: DecodeOptions = DecodeOption
     return decode_latents(described(vae), z, options).float().to(latents.device)
 
 
-def save_tiny_wan_vae(folder, seed: int = 0, z_dim: int = 16, base_dim: int = 4) -> str:
-    """Write a random AutoencoderKLWan for tests and CPU demos: Wan2.1's layout (4 levels: 8x in space, 4x in time)
-    with base_dim channels at every level and one residual block per level (22k parameters at base_dim 4), and
-    fixed latents_mean / latents_std lists of length z_dim drawn from `seed`; returns the folder."""
+# The released VAEs' parameter counts (diffusers' AutoencoderKLWan with the published configs, built on the meta
+# device), for planning memory without reading them: Wan2.1's and Wan2.2's (base_dim 160, decoder_base_dim 256).
+VAE_PARAMS = {16: 126_892_531, 48: 704_688_668}  # by z_dim
+
+
+def save_tiny_wan_vae(folder, seed: int = 0, z_dim: int | None = None, base_dim: int = 4, wan22: bool = False) -> str:
+    """Write a random AutoencoderKLWan for tests and CPU demos: Wan2.1's layout (4 levels: 8x in space, 4x in time;
+    z_dim 16) or with wan22 Wan2.2's (residual, 2x2-patchified frames: 16x in space; z_dim 48), base_dim channels at
+    every level and one residual block per level (22k parameters at base_dim 4, Wan2.1), and fixed latents_mean /
+    latents_std lists of length z_dim drawn from `seed`; returns the folder."""
     from diffusers import AutoencoderKLWan
 
+    z_dim = z_dim or (48 if wan22 else 16)
+    layout = dict(decoder_base_dim=base_dim, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                  scale_factor_spatial=16) if wan22 else {}
     gen = torch.Generator().manual_seed(seed)
     mean = [round(v, 4) for v in (0.5 * torch.randn(z_dim, generator=gen)).tolist()]
     std = [round(v, 4) for v in (0.5 + torch.rand(z_dim, generator=gen)).tolist()]
     torch.manual_seed(seed)
     AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, latents_mean=mean,
-                     latents_std=std).save_pretrained(folder)
+                     latents_std=std, **layout).save_pretrained(folder)
     return str(folder)
