@@ -70,7 +70,7 @@ WAN_CONFIGS = {
 # Wan2.2's releases: each A14B expert is Wan2.1-14B's architecture (I2V: 36 input channels = 16 noisy latent + 4
 # mask + 16 first-frame latent); TI2V-5B works on the Wan2.2 VAE's 48 channels.
 WAN22_CONFIGS = {
-    "Wan2.2-T2V-A14B": WAN_CONFIGS["Wan2.1-T2V-14B"],
+    "Wan2.2-T2V-A14B": dict(WAN_CONFIGS["Wan2.1-T2V-14B"]),
     "Wan2.2-I2V-A14B": dict(WAN_CONFIGS["Wan2.1-T2V-14B"], model_type="i2v", in_dim=36),
     "Wan2.2-TI2V-5B": dict(_WAN_BASE, model_type="ti2v", in_dim=48, out_dim=48, dim=3072, ffn_dim=14336,
                            num_heads=24, num_layers=30),
