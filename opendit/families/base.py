@@ -147,7 +147,13 @@ class WeightAdapter:
         config = read_config(folder)
         self.check_class(config, f"{folder}/config.json")
         arch = self.arch_from_diffusers(config)
-        return arch, self.from_diffusers(read_safetensors(folder), arch)
+        state = self.from_diffusers(read_safetensors(folder), arch)
+        return self.arch_from_weights(arch, state, config, folder), state
+
+    def arch_from_weights(self, arch: dict, state: dict[str, torch.Tensor], config: dict, folder: str) -> dict:
+        """The constructor kwargs completed (and checked) from the converted weights, for what a diffusers config
+        does not say; default: arch as it is."""
+        return arch
 
     def load_official(self, path) -> dict[str, torch.Tensor] | None:
         """An official release at `path` in a layout opendit's load_weights does not read; None: not one."""

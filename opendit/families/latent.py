@@ -72,6 +72,9 @@ class LatentImageFamily(ModelFamily):
     default_vae_scale = SD_VAE_SCALE
     vae_shift = 0.0  # latents are (z - shift) * scale (FLUX's autoencoder shifts)
     encoder_folders: tuple[str, ...] = ("vae",)  # options naming encoder folders (a cache records them)
+    # where a checkpoint that names no encoder folders (an official release) keeps them; set: sample.py asks for
+    # every one of encoder_folders the checkpoint did not name
+    encoder_folders_hint: str = ""
     # the family's usual VAE, for planning memory without loading it: SD's AutoencoderKL (4 latent channels, 8x
     # down; 83,653,863 parameters in diffusers' layout), fp32 as load_vae loads it
     vae_channels, vae_params = 4, 83_653_863
@@ -184,6 +187,10 @@ class LatentImageFamily(ModelFamily):
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def sampling_config(self, cfg, given: set[str]):
+        unnamed = [k for k in self.encoder_folders if k not in given] if self.encoder_folders_hint else []
+        if unnamed:
+            raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in unnamed)} "
+                             f"(local folders; {self.encoder_folders_hint})")
         missing = [k for k in self.sampling_needs if getattr(cfg, k) is None]
         if missing:
             raise ValueError(f"cannot tell {missing} from the checkpoint; pass them as flags "

@@ -28,7 +28,6 @@ import re
 
 import torch
 
-from opendit.checkpoint.folders import model_folder, read_config
 from opendit.families.base import WeightAdapter
 from opendit.models.pos_embed import sincos_2d
 
@@ -178,12 +177,9 @@ class DiTWeights(WeightAdapter):
     def arch_from_diffusers(self, config: dict) -> dict:
         return _config_to_kwargs(config)
 
-    def load_diffusers(self, path) -> tuple[dict, dict]:
-        """A diffusers DiT folder (config.json + diffusion_pytorch_model*.safetensors) or a pipeline folder holding
-        transformer/ -> (DiT constructor kwargs, our state_dict); `DiT(**kwargs)` loads it with strict=True."""
-        kwargs, converted = super().load_diffusers(path)
-        folder = model_folder(path)
-        config = read_config(folder)
+    def arch_from_weights(self, kwargs, converted, config, folder) -> dict:
+        """The MLP ratio, which diffusers' config does not hold, from the weights; `DiT(**kwargs)` then loads the
+        converted state_dict with strict=True."""
         width = converted["blocks.0.mlp.fc1.weight"].shape[0]
         kwargs["mlp_ratio"] = width / kwargs["hidden_size"]
         if converted["blocks.0.adaLN_modulation.1.weight"].shape[1] != kwargs["hidden_size"]:
@@ -192,7 +188,7 @@ class DiTWeights(WeightAdapter):
         if config.get("norm_eps", 1e-5) != 1e-6:
             log.info("%s: diffusers runs its MLP LayerNorm with eps=%s; our DiT uses DiT's 1e-6 (tiny output change)",
                      folder, config.get("norm_eps", 1e-5))
-        return kwargs, converted
+        return kwargs
 
 
 DIT_WEIGHTS = DiTWeights()

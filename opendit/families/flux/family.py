@@ -202,6 +202,8 @@ class FluxFamily(LatentImageFamily):
                      "vae_scale": "FLUX: its VAE's 0.3611, shifted by 0.1159"}
     cache_keys = ("t5", "clip", "t5_max_length")
     encoder_folders = ("vae", "t5", "clip")
+    encoder_folders_hint = ("a FLUX.1 repository folder holds vae/, text_encoder/ and text_encoder_2/: --vae DIR/vae "
+                            "--t5 DIR --clip DIR")
     checkpoint_formats = ("an official flux1-dev / flux1-schnell .safetensors",)
     weights = FLUX_WEIGHTS
     train_options = FluxTrainOptions
@@ -307,14 +309,6 @@ class FluxFamily(LatentImageFamily):
                      and a["depth"] == len({k.split(".")[1] for k in keys if k.startswith("double_blocks.")})), None)
         settings = dict(dataset="captions", image_size=1024, num_classes=0)  # the VAE, T5 and CLIP: from flags
         return ({**settings, "model": name} if name else settings), None
-
-    def sampling_config(self, cfg, given: set[str]):
-        missing = [k for k in ("vae", "t5", "clip") if k not in given]
-        if missing:
-            raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in missing)} "
-                             f"(local folders; a FLUX.1 repository folder holds vae/, text_encoder/ and "
-                             f"text_encoder_2/: --vae DIR/vae --t5 DIR --clip DIR)")
-        return super().sampling_config(cfg, given)
 
     def conditions(self, sample_cfg, cfg) -> list:
         return prompt_conditions(sample_cfg, cfg.model)

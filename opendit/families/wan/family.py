@@ -178,7 +178,9 @@ class WanFamily(ClipFamily, LatentImageFamily):
                      "num_sampling_steps": "Wan2.1 50, Wan-debug 20",
                      "sampler": "Wan: unipc (default) or euler", "vae_scale": "Wan 1: its VAE normalises per channel"}
     cache_keys = (*ClipFamily.cache_keys, "umt5")
-    encoder_folders = ("vae", "umt5")
+    encoder_folders = ("umt5", "vae")
+    encoder_folders_hint = ("a Wan diffusers folder holds text_encoder/ + tokenizer/ and vae/: --umt5 DIR --vae "
+                            "DIR/vae; --vae none for a pixel-space model")
     weights = WAN_WEIGHTS
     checkpoint_formats = ("an official Wan2.1 T2V folder or diffusion_pytorch_model*.safetensors",
                           "a diffusers Wan folder (transformer/)")
@@ -323,14 +325,6 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if (p / "text_encoder").is_dir():
             settings["umt5"] = str(p)
         return ({**settings, "model": name} if name else settings), None
-
-    def sampling_config(self, cfg, given: set[str]):
-        missing = [k for k in ("umt5", "vae") if k not in given]
-        if missing:
-            raise ValueError(f"the checkpoint does not name its encoders: pass {' '.join('--' + k for k in missing)} "
-                             f"(local folders; a Wan diffusers folder holds text_encoder/ + tokenizer/ and vae/: "
-                             f"--umt5 DIR --vae DIR/vae; --vae none for a pixel-space model)")
-        return super().sampling_config(cfg, given)
 
     def conditions(self, sample_cfg, cfg) -> list:
         return prompt_conditions(sample_cfg, cfg.model)
