@@ -2,6 +2,7 @@
 import gc
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +30,22 @@ def fmt(v, spec=".1f") -> str:
 def failure_status(e: Exception) -> str:
     """A failed variant's status cell: the exception's type and first line."""
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def write_zero_base(path: Path, model: str, **arch) -> float:
+    """A weights file of `model`'s shapes (official ones unless `arch` overrides a value), all zeros in bf16 (no
+    download and no random init of billions of parameters on the host; values change neither the memory nor,
+    beyond a few percent, the time) -> seconds."""
+    from safetensors.torch import save_file
+
+    from opendit.families import family_of
+
+    t0 = time.time()
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in family_of(model).models[model].build(**arch).state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}, str(path))
+    return time.time() - t0
 
 
 def sample_checkpoint(sample_cfg, conditions: list, n: int, chunk: int = 50) -> tuple[np.ndarray, float]:

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_common import write_zero_base  # noqa: E402
 from benchmarks.flux_lean_step import time_steps, time_trainer_steps, write_synthetic_cache  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 
@@ -80,18 +81,9 @@ def cpu_demo(a) -> str:
 
 
 def gpu_step(a) -> str:
-    from safetensors.torch import save_file
-
-    from opendit.families import FAMILIES
-
     work = Path(a.work)
     write_synthetic_cache(work, a.model, a.image_size, a.t5_tokens, count=max(a.steps, 1))
-    t0 = time.time()
-    spec = FAMILIES["flux"].models[a.model]
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in spec.build().state_dict().items()}
-    save_file({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}, str(work / "base.safetensors"))
-    write_s = time.time() - t0
+    write_s = write_zero_base(work / "base.safetensors", a.model)
     cfg = cfglib.TrainConfig(model=a.model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
                              max_steps=a.steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-4,
                              outputs=str(work / "runs"), init_weights=str(work / "base.safetensors"),

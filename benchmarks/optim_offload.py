@@ -92,8 +92,11 @@ def main():
         return
     rows = ["| configuration | ms/step | fwd+bwd ms | overhead ms | optimizer alone ms | hidden | peak GiB |",
             "|---|---:|---:|---:|---:|---:|---:|"]
+    title = f"{a.model}, {a.image_size}px, batch {a.batch_size}, bf16 compute, {torch.cuda.get_device_name()}\n\n"
     alone = {}
     for name, (dtype, kw) in CONFIGS.items():
+        if a.out and len(rows) > 2:  # the finished rows, in case a timeout kills the next
+            Path(a.out).write_text(title + "\n".join(rows) + "\n")
         try:
             step_ms, compute_ms, opt_ms, peak = run(name, dtype, kw, a)
         except Exception as err:  # OOM or a failure: a row, not a crash, so the other rows still run
@@ -109,8 +112,7 @@ def main():
         rows.append(f"| {name} | {step_ms:.1f} | {compute_ms:.1f} | {overhead:.1f} | {opt_ms:.1f} | "
                     f"{hidden:.0%} | {peak:.1f} |")
         print(rows[-1], flush=True)
-    table = (f"{a.model}, {a.image_size}px, batch {a.batch_size}, bf16 compute, {torch.cuda.get_device_name()}\n\n"
-             + "\n".join(rows))
+    table = title + "\n".join(rows)
     print("\n" + table)
     if a.out:
         Path(a.out).write_text(table + "\n")

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_common import failure_status, free  # noqa: E402
+from benchmarks.bench_common import failure_status, free, write_zero_base  # noqa: E402
 from benchmarks.flux_lean_step import time_steps, write_synthetic_cache  # noqa: E402
 from opendit import config as cfglib  # noqa: E402
 from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
@@ -49,15 +49,6 @@ def write_dit_cache(folder: Path, count: int) -> None:
                     latent_shape=[4, 32, 32], num_classes=1000, classes=[], count=count, skipped=0,
                     flip_both=False, dtype="float32", source={}, shards=[{"stem": "r000-00000", "count": count}])
     (folder / MANIFEST).write_text(json.dumps(manifest))
-
-
-def write_zero_base(path: Path, model: str) -> None:
-    """flux's official-shape weights, all zeros in bf16 (values do not change the memory)."""
-    from safetensors.torch import save_file
-
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in family_of(model).models[model].build().state_dict().items()}
-    save_file({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}, str(path))
 
 
 def cases(work: Path, base: Path) -> list[tuple[str, str, cfglib.TrainConfig]]:

@@ -50,8 +50,8 @@ from opendit.training.fast_step import TrainStep  # noqa: E402
 _C0 = dict(precision="autocast_bf16")
 VARIANTS = {
     "a": ("a: published (fp32+TF32, eager)", dict(precision="fp32", fused_adamw=False)),
-    "b": ("b: bf16 autocast + fused AdamW + compile", dict(precision="autocast_bf16", compile="model")),
     "all": ("ours: all", dict(precision="bf16_master", compile="blocks", modulate=True, layernorm=True, flash=True)),
+    "b": ("b: bf16 autocast + fused AdamW + compile", dict(precision="autocast_bf16", compile="model")),
     "all-kernels": ("ours: all - kernels", dict(precision="bf16_master", compile="blocks", flash=True)),
     "all-graphs": ("ours: all + CUDA graphs", dict(precision="bf16_master", compile="blocks", modulate=True,
                                                    layernorm=True, flash=True, compile_mode="reduce-overhead")),
