@@ -24,13 +24,15 @@ from tqdm.auto import tqdm
 from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
-from opendit.diffusion.sampling import progress_interval
+from opendit.diffusion.sampling import progress_interval, randn
 from opendit.encoders.text import FixedEmbeddings, encoder_dtype
 from opendit.checkpoint.folders import read_config
 from opendit.encoders.vae import posterior_sample
 from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
+from opendit.families.wan.first_frame import (condition_kind, condition_video, first_frame_paths, i2v_inputs,
+                                              load_first_frame, ti2v_timesteps, with_first_frame)
 from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.vae import VAE_PARAMS, load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
@@ -41,14 +43,21 @@ from opendit.seeding import sampling_generator
 
 # What each model implies beyond its architecture: the time shift of its training and sampling schedule, the
 # sampling steps and guidance scale of Wan's generate.py, the frame rate of its videos and its VAE's latent
-# channels (16: Wan2.1's VAE, 8x in space; 48: Wan2.2's, 16x). Wan2.2-TI2V-5B here is its text-to-video use.
+# channels (16: Wan2.1's VAE, 8x in space; 48: Wan2.2's, 16x). An A14B release is two experts of one architecture:
+# the high-noise one denoises t >= boundary (guidance cfg_scale), the low-noise one the rest (cfg_scale_low).
 _WAN21 = dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=16, vae_channels=16)
 _DEBUG = dict(flow_shift=1.0, sampling_steps=20, cfg_scale=8.0, fps=4)
 WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": _WAN21, "Wan2.1-T2V-14B": _WAN21, "Wan-debug": dict(_DEBUG, vae_channels=16),
+                 "Wan2.2-T2V-A14B": dict(_WAN21, flow_shift=12.0, sampling_steps=40, cfg_scale=4.0, cfg_scale_low=3.0,
+                                         boundary=0.875),
+                 "Wan2.2-I2V-A14B": dict(_WAN21, sampling_steps=40, cfg_scale=3.5, cfg_scale_low=3.5, boundary=0.9),
                  "Wan2.2-TI2V-5B": dict(flow_shift=5.0, sampling_steps=50, cfg_scale=5.0, fps=24, vae_channels=48),
-                 "Wan2.2-debug": dict(_DEBUG, vae_channels=48)}
+                 "Wan2.2-debug": dict(_DEBUG, vae_channels=48),
+                 "Wan2.2-I2V-debug": dict(_DEBUG, vae_channels=16, cfg_scale_low=8.0, boundary=0.9)}
 WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name])
               for name, arch in {**WAN_CONFIGS, **WAN22_CONFIGS}.items() if name in WAN_CONSTANTS}
+I2V_PROB = {"i2v": 1.0, "ti2v": 0.2}  # TI2V: the share the official training helper (utils.masks_like) conditions
+EXPERTS = ("none", "high", "low")
 UMT5_HELP = "a local UMT5 encoder folder (UMT5EncoderModel + tokenizer, or a Wan diffusers folder with text_encoder/)"
 SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); default: the model's (Wan2.1 5)"
 SAMPLERS = ("unipc", "euler")
@@ -62,11 +71,20 @@ class WanTrainOptions(ClipTrainOptions):
                                  TIMESTEP_SAMPLINGS)
     caption_dropout_prob: float = opt(0.1, "a caption's embedding is replaced by the empty caption's this often "
                                            "(for classifier-free guidance)", check="prob")
+    i2v_prob: float | None = opt(None, "the share of clips trained image-to-video, conditioned on their own first "
+                                       "frame (Wan2.2 TI2V and I2V models); default: I2V 1, TI2V 0.2 (the official "
+                                       "training helper's)", check="prob")
+    expert: str = opt("none", "a two-expert Wan2.2 A14B model: train its high-noise expert (t >= the boundary) or its "
+                              "low-noise one (t below it) from that expert's weights", EXPERTS)
+    expert_boundary: float | None = opt(None, "the t that splits the experts; default: the release's (T2V 0.875, I2V "
+                                              "0.9)", check="prob")
 
 
 @dataclass
 class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
     umt5: str | None = opt(None, "UMT5 encoder folder; default: the checkpoint's", from_checkpoint=True)
+    image: str | None = opt(None, "image-to-video (Wan2.2 TI2V and I2V models): the first frame, an image file for "
+                                  "every prompt or a folder with one per prompt (in name order)")
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
 
 
@@ -80,6 +98,7 @@ class WanEncoders:
     vae: nn.Module | None  # None: pixel space, or training on a cache
     text: object | None  # UMT5 (a TokenTextEncoder, or FixedEmbeddings); None when training on a cache
     empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
+    first_frame: bool = False  # caching for an i2v model: also the latent of each clip's conditioning clip
 
     def encode(self, captions: list[str], device) -> torch.Tensor:
         """captions -> UMT5 embeddings [B, L, D] float32 on device, zero after each caption's tokens."""
@@ -93,14 +112,20 @@ class WanEncoders:
 
 
 class WanFlowObjective:
-    """Flow matching as Wan2.1 is trained: x_t = (1 - t) x0 + t eps, the model (fed 1000 t) predicts eps - x0,
-    MSE in fp32; t drawn from --timestep_sampling, then shifted by --flow_shift. A batch is (clips [B, C, T, H, W]
-    in [-1, 1], labels, captions) or a cached one ((mean, std) [B, z, T', h, w], labels, captions, UMT5
-    [B, L, D]); a latent is mean + std * randn of the normalised posterior either way, so a cache trains as
-    encoding on the fly does."""
+    """Flow matching as Wan is trained: x_t = (1 - t) x0 + t eps, the model (fed 1000 t) predicts eps - x0, MSE in
+    fp32; t drawn from --timestep_sampling and shifted by --flow_shift, within t_range (one expert's share of the
+    schedule). A batch is (clips [B, C, T, H, W] in
+    [-1, 1], labels, captions) or a cached one ((mean, std) [B, z, T', h, w], labels, captions, UMT5 [B, L, D][,
+    the i2v conditioning clip's latent]); a latent is mean + std * randn of the normalised posterior either way, so
+    a cache trains as encoding on the fly does.
 
-    def __init__(self, encoders: WanEncoders, shift: float, timestep_sampling: str, dropout: float):
+    Image-to-video (image "i2v" or "ti2v", first_frame.py): a share image_prob of the clips (all in validation when
+    it is above 0) is conditioned on its own first frame; ti2v's loss leaves out the given first latent frame."""
+
+    def __init__(self, encoders: WanEncoders, shift: float, timestep_sampling: str, dropout: float,
+                 image: str | None = None, image_prob: float = 0.0, patch_size=(1, 2, 2), t_range=(0.0, 1.0)):
         self.encoders, self.shift, self.dropout = encoders, shift, dropout
+        self.image, self.image_prob, self.patch_size, self.t_range = image, image_prob, patch_size, tuple(t_range)
         self.flow = RectifiedFlow(timestep_sampling, shift=False)
 
     def _latents(self, x, device):
@@ -112,20 +137,59 @@ class WanFlowObjective:
             return x.to(device, non_blocking=True)
         return posterior_sample(mean, std)
 
+    def first_latent(self, batch, device) -> torch.Tensor:
+        """The i2v conditioning clip's latent [B, C, T', h, w]: cached, or encoded from each clip's first frame."""
+        if len(batch) == 5:
+            return batch[4].to(device).float()
+        clips = batch[0].to(device, non_blocking=True)
+        video = condition_video(clips[:, :, 0], clips.shape[2])
+        return video if self.encoders.vae is None else wan_posterior(self.encoders.vae, video)[0]
+
     def prepare(self, batch, device, train: bool = True):
-        context = batch[3].to(device).float() if len(batch) == 4 else self.encoders.encode(list(batch[2]), device)
+        context = batch[3].to(device).float() if len(batch) >= 4 else self.encoders.encode(list(batch[2]), device)
+        cond = {}
+        if self.image:  # drawn before x: same on every SP rank, and no draw at all for text-to-video
+            conditioned = torch.rand(len(context)) < self.image_prob if train else \
+                torch.full((len(context),), self.image_prob > 0)
+            cond = {"y": i2v_inputs(self.first_latent(batch, device), conditioned)} if self.image == "i2v" else \
+                {"first": conditioned.to(device)}
         x = self._latents(batch[0], device)
         drop = (torch.rand(len(context)) < (self.dropout if train else 0.0)).to(device)  # same on SP ranks
         context = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), context)
-        return x, {"context": context}
+        return x, {"context": context, **cond}
+
+    def sample_t(self, batch: int, device) -> torch.Tensor:
+        """Shifted training times [B]; an expert's are drawn until B fall in its t_range (the distribution's shape
+        kept within the range, as musubi-tuner's --preserve_distribution_shape)."""
+        low, high = self.t_range
+        t = shift_times(self.flow.sample_t(batch, device), self.shift)
+        if (low, high) == (0.0, 1.0):
+            return t
+        kept = t[(t >= low) & (t <= high)]
+        for _ in range(10_000):
+            if len(kept) >= batch:
+                return kept[:batch]
+            t = shift_times(self.flow.sample_t(batch, device), self.shift)
+            kept = torch.cat([kept, t[(t >= low) & (t <= high)]])
+        raise ValueError(f"training times in [{low}, {high}] almost never occur under --timestep_sampling and "
+                         f"--flow_shift {self.shift}; move --expert_boundary")
 
     def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation, no shift)."""
-        if t_frac is None:
-            t = shift_times(self.flow.sample_t(x.shape[0], x.device), self.shift)
-        else:
-            t = t_frac.to(x.device, torch.float32)
-        return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"]), x, t, noise), t
+        t = self.sample_t(x.shape[0], x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
+        if "first" not in cond:  # text-to-video, or i2v (its condition rides in y)
+            return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"], y=cond.get("y")), x, t,
+                                    noise), t
+        if noise is None:
+            noise = randn(x.shape, None, x.device, x.dtype)
+        first = cond["first"]
+        x_t = with_first_frame(self.flow.noisy(x, t, noise), x[:, :, :1], first)
+        grid = tuple(s // p for s, p in zip(x.shape[2:], self.patch_size))
+        pred = model(x_t, ti2v_timesteps(t, first, grid) * 1000, cond["context"]).float()
+        weight = torch.ones_like(pred[:1, :1]).expand(len(x), 1, *pred.shape[2:]).clone()
+        weight[first, :, 0] = 0  # the given frame is no prediction
+        error = (pred - self.flow.target(x, noise)).pow(2) * weight
+        return error.flatten(1).sum(1) / (weight.flatten(1).sum(1) * pred.shape[1]), t
 
 
 def wan_forward_macs(model: nn.Module, video_tokens: int) -> int:
@@ -207,8 +271,26 @@ class WanFamily(ClipFamily, LatentImageFamily):
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
         cfg = super().fill_defaults(cfg)
+        kind, boundary = self.image_condition(cfg.model), self.models[cfg.model].constants.get("boundary")
+        if cfg.i2v_prob and kind is None:
+            raise ValueError(f"--i2v_prob {cfg.i2v_prob}: {cfg.model} is text-to-video only; image-to-video trains "
+                             f"{', '.join(n for n in self.models if self.image_condition(n))}")
+        if cfg.expert != "none" and boundary is None:
+            raise ValueError(f"--expert {cfg.expert}: {cfg.model} is one model, not two experts; the two-expert models "
+                             f"are {', '.join(n for n, s in self.models.items() if 'boundary' in s.constants)}")
         return dataclasses.replace(cfg, num_classes=0,
-                                   flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"))
+                                   flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"),
+                                   i2v_prob=I2V_PROB.get(kind, 0.0) if cfg.i2v_prob is None else cfg.i2v_prob,
+                                   expert_boundary=cfg.expert_boundary or boundary)
+
+    def image_condition(self, model: str) -> str | None:
+        """"i2v" or "ti2v" for a model that takes a first frame (first_frame.py), else None."""
+        return condition_kind(self.models[model].arch.get("model_type", "t2v"))
+
+    def input_channels(self, model: str, channels: int) -> int:
+        """The model's in_dim for latents of `channels`: an i2v model also takes 4 mask channels and the
+        conditioning clip's latent."""
+        return 2 * channels + 4 if self.image_condition(model) == "i2v" else channels
 
     def text_len(self, cfg) -> int:
         return self.models[cfg.model].arch["text_len"]
@@ -243,6 +325,9 @@ class WanFamily(ClipFamily, LatentImageFamily):
                 raise ValueError(f"latent cache {cfg.data_path!r} holds no UMT5 embeddings (not written with "
                                  f"preprocess.py --family wan); rebuild it with --family wan --umt5 ...")
             encoders.empty = dataset.extra("empty_umt5")
+            if self.image_condition(cfg.model) == "i2v" and "first_frame" not in dataset.embeddings:
+                raise ValueError(f"latent cache {cfg.data_path!r} holds no first-frame latents, which {cfg.model} "
+                                 f"trains on; rebuild it with preprocess.py --family wan --model {cfg.model}")
         elif getattr(dataset, "kind", "caption") != "caption":
             raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has labels, not captions; Wan trains on "
                              f"captioned clips: a CSV with the header path,caption")
@@ -273,7 +358,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
 
     def build_model(self, cfg, latent_shape):
         channels = latent_shape[0]
-        model = self.models[cfg.model].build(in_dim=channels, out_dim=channels, text_dim=umt5_encoder_dim(cfg.umt5))
+        model = self.models[cfg.model].build(in_dim=self.input_channels(cfg.model, channels), out_dim=channels,
+                                             text_dim=umt5_encoder_dim(cfg.umt5))
         pt, ph, pw = model.patch_size
         model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)  # for FLOPs
         return model
@@ -295,18 +381,27 @@ class WanFamily(ClipFamily, LatentImageFamily):
 
     def memory_model(self, cfg, latent_shape):
         """build_model's model with UMT5-XXL's 4096-wide tokens (the architecture's text_dim)."""
-        model = self.models[cfg.model].build(in_dim=latent_shape[0], out_dim=latent_shape[0])
+        model = self.models[cfg.model].build(in_dim=self.input_channels(cfg.model, latent_shape[0]),
+                                             out_dim=latent_shape[0])
         pt, ph, pw = model.patch_size
         model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)
         return model
 
     def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
-        """x [B, C, F, H, W], t [B] in 0..1000 and UMT5 tokens [B, text_len, text_dim]: the batched forward."""
-        return dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.rand(batch, device=device) * 1000,
-                    context=torch.randn(batch, model.text_len, model.text_dim, device=device))
+        """x [B, C, F, H, W], t [B] in 0..1000 and UMT5 tokens [B, text_len, text_dim] (i2v: y, its mask and
+        conditioning latent): the batched forward."""
+        inputs = dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.rand(batch, device=device) * 1000,
+                      context=torch.randn(batch, model.text_len, model.text_dim, device=device))
+        if model.model_type == "i2v":
+            inputs["y"] = torch.randn(batch, model.in_dim - latent_shape[0], *latent_shape[1:], device=device)
+        return inputs
 
     def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
-        return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob)
+        boundary = cfg.expert_boundary
+        t_range = {"high": (boundary, 1.0), "low": (0.0, boundary)}.get(cfg.expert, (0.0, 1.0))
+        return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob,
+                                image=self.image_condition(cfg.model), image_prob=cfg.i2v_prob,
+                                patch_size=self.models[cfg.model].arch["patch_size"], t_range=t_range)
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str):
@@ -327,7 +422,21 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return ({**settings, "model": name} if name else settings), None
 
     def conditions(self, sample_cfg, cfg) -> list:
-        return prompt_conditions(sample_cfg, cfg.model)
+        """The prompts; checks --image against the model and their count."""
+        prompts, kind = prompt_conditions(sample_cfg, cfg.model), self.image_condition(cfg.model)
+        if sample_cfg.image is None:
+            if kind == "i2v":
+                raise ValueError(f"{cfg.model} is image-to-video: pass --image with the first frame (an image file, or "
+                                 f"a folder with one per prompt)")
+            return prompts
+        if kind is None:
+            raise ValueError(f"--image {sample_cfg.image}: {cfg.model} is text-to-video only; image-to-video samples "
+                             f"{', '.join(n for n in self.models if self.image_condition(n))}")
+        paths = first_frame_paths(sample_cfg.image)
+        if len(paths) > 1 and len(paths) != len(prompts):
+            raise ValueError(f"--image {sample_cfg.image} holds {len(paths)} images for {len(prompts)} prompts: give "
+                             f"one image per prompt, or a single image file for all")
+        return prompts
 
     def make_sampler(self, sample_cfg, cfg) -> WanSampler:
         return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift)
@@ -344,25 +453,55 @@ class WanFamily(ClipFamily, LatentImageFamily):
 
     @torch.no_grad()
     def sample_latents(self, loaded, sampler: WanSampler, indices, conditions, sample_cfg, device) -> torch.Tensor:
-        """Latents [n, C, T', h, w] for global indices; noise from (seed, first index)."""
+        """Latents [n, C, T', h, w] for global indices; noise from (seed, first index). With --image, TI2V's first
+        latent frame is the image's and its tokens see t = 0 at every step; I2V's model takes the mask and the
+        conditioning clip's latent, for the guided and the unguided pass alike."""
         model, enc, n = loaded.model, loaded.encoders, len(indices)
         z = torch.randn(n, *loaded.latent_shape, generator=sampling_generator(sample_cfg.seed, indices.start))
         context = enc.encode([conditions[i % len(conditions)] for i in indices], device)
         scale = sample_cfg.cfg_scale
         if scale > 1.0:  # [cond; uncond] in one pass, the second half with the negative prompt
             context = torch.cat([context, enc.encode([sample_cfg.negative_prompt], device).expand_as(context)])
+        kind, first = self.image_condition(loaded.cfg.model), self.first_frames(loaded, sample_cfg, indices, conditions)
+        first = None if first is None else first.to(device)
+        given = torch.full((n,), first is not None, device=device)
+        grid = tuple(s // p for s, p in zip(z.shape[2:], self.models[loaded.cfg.model].arch["patch_size"]))
+        extra = {}
+        if kind == "i2v":  # no image (a training preview): the channels of a dropped image, zeros
+            extra["y"] = i2v_inputs(torch.zeros_like(z, device=device) if first is None else first, given)
+        if extra and scale > 1.0:
+            extra["y"] = torch.cat([extra["y"], extra["y"]])
 
         def velocity(x, t):
+            if kind == "ti2v" and first is not None:
+                x, t = with_first_frame(x, first, given), ti2v_timesteps(t, given, grid)
             if scale <= 1.0:
-                return model(x, t * 1000, context).float()
-            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context).float()
+                return model(x, t * 1000, context, **extra).float()
+            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context, **extra).float()
             return cfg_velocity(out[:n], out[n:], scale)
 
         z = z.to(device)
         if sampler.name == "euler":
             times = shift_times(torch.linspace(1, 0, sampler.steps + 1), sampler.shift)
-            return euler_sample(velocity, z, times, sampler.progress)
-        return unipc_sample(velocity, z, sampler.steps, sampler.shift, sampler.progress)
+            z = euler_sample(velocity, z, times, sampler.progress)
+        else:
+            z = unipc_sample(velocity, z, sampler.steps, sampler.shift, sampler.progress)
+        return with_first_frame(z, first, given) if kind == "ti2v" and first is not None else z
+
+    def first_frames(self, loaded, sample_cfg, indices, conditions) -> torch.Tensor | None:
+        """--image as the model takes it, for samples `indices` (sample i: prompt i's image): TI2V the image's
+        latent [n, C, 1, h, w], I2V the conditioning clip's latent [n, C, T', h, w]; None without --image."""
+        cfg, vae, kind = loaded.cfg, loaded.encoders.vae, self.image_condition(loaded.cfg.model)
+        if sample_cfg.image is None:
+            return None
+        paths = first_frame_paths(sample_cfg.image)
+        height, width = self.sample_size(loaded, sample_cfg)
+        channels = 3 if vae is not None else loaded.latent_shape[0]
+        images = torch.stack([load_first_frame(paths[i % len(conditions) % len(paths)], height, width, channels)
+                              for i in indices])
+        video = images[:, :, None] if kind == "ti2v" else condition_video(images, sample_cfg.num_frames or
+                                                                          cfg.num_frames)
+        return video if vae is None else wan_posterior(vae, video.to(next(vae.parameters()).device))[0].cpu()
 
     def decode(self, loaded, latents: torch.Tensor) -> torch.Tensor:
         vae = loaded.encoders.vae
@@ -403,7 +542,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if is_none(cfg.umt5):
             raise ValueError("--umt5 is required with --family wan (a local UMT5 folder, or a Wan diffusers folder)")
         return WanEncoders(vae=load_wan_vae(cfg.vae, device),
-                           text=load_umt5_encoder(cfg.umt5, device, self.text_len(cfg)))
+                           text=load_umt5_encoder(cfg.umt5, device, self.text_len(cfg)),
+                           first_frame=self.image_condition(cfg.model) == "i2v")
 
     def cache_source(self, cfg, encoders):
         """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
@@ -419,6 +559,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
         out = {"mean": mean.cpu(), "std": std.cpu()}
         if captions is not None:
             out["umt5"] = encoders.encode(list(captions), "cpu")
+        if encoders.first_frame:  # an i2v model's condition: the clip's first frame, then black, encoded
+            out["first_frame"] = wan_posterior(encoders.vae, condition_video(x[:, :, 0], x.shape[2]))[0].cpu()
         return out
 
     def cache_extras(self, encoders: WanEncoders) -> dict:

@@ -75,6 +75,7 @@ WAN22_CONFIGS = {
     "Wan2.2-TI2V-5B": dict(_WAN_BASE, model_type="ti2v", in_dim=48, out_dim=48, dim=3072, ffn_dim=14336,
                            num_heads=24, num_layers=30),
     "Wan2.2-debug": dict(WAN_CONFIGS["Wan-debug"], model_type="ti2v", patch_size=(1, 2, 2), in_dim=48, out_dim=48),
+    "Wan2.2-I2V-debug": dict(WAN_CONFIGS["Wan-debug"], model_type="i2v", in_dim=36),
 }
 MODEL_TYPES = ("t2v", "i2v", "ti2v")
 
