@@ -135,20 +135,35 @@ def load_model(cfg, device) -> LoadedModel:
                                  given=set(settings))
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
-    with torch.device("meta"):  # the weights come from the file: no random init (minutes for 12B parameters)
-        model = family.build_model(run, shape)
-    check_model_contract(model, name)
-    load_into_meta_model(model, state if state is not None else family.load_weights(weights), f"--ckpt {path}",
-                         keep_dtype=cfg.mixed_precision == "bf16")
-    apply_lora_files(model, family, adapters)
-    configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
-    model = speed_up(model.to(device).eval(), cfg.mixed_precision, cfg.compile)
+    model = _network(family, run, shape, path, weights, state, adapters, cfg, device).to(device)
     # from here on latent_shape is what sampling draws: the size of --height / --width (/ --num_frames)
-    loaded = LoadedModel(family, model, encoders, run, shape, weights)
+    companions = {}
+    for role, companion in family.companion_checkpoints(run, cfg, weights).items():  # kept on the CPU until used
+        c_weights, c_trained, c_state = read_checkpoint(Path(companion), name)
+        c_adapters = []
+        if c_trained.get("lora_rank"):
+            c_weights, own = lora_run_weights(Path(companion), c_trained)
+            c_adapters.append((own, 1.0))
+        companions[role] = _network(family, run, shape, companion, c_weights, c_state, c_adapters, cfg, device)
+        logger.info("loaded %s as the %s model (kept on the CPU while idle)", c_weights, role)
+    loaded = LoadedModel(family, model, encoders, run, shape, weights, companions=companions)
     loaded = dataclasses.replace(loaded, latent_shape=tuple(family.sample_shape(loaded, cfg)))
     logger.info("loaded %s (%s, family %s, input %s, sampling %s, vae %s)", weights, name, family.name,
                 "x".join(map(str, shape)), "x".join(map(str, loaded.latent_shape)), run.vae)
     return loaded
+
+
+def _network(family, run, shape, path, weights: str, state, adapters: list, cfg, device) -> torch.nn.Module:
+    """The family's model of the run built on the meta device and filled from `weights` (or `state`), with its
+    LoRA adapters, precision, compile and the kernels that will run on `device`; on the CPU until moved there."""
+    with torch.device("meta"):  # the weights come from the file: no random init (minutes for 12B parameters)
+        model = family.build_model(run, shape)
+    check_model_contract(model, run.model)
+    load_into_meta_model(model, state if state is not None else family.load_weights(weights), f"--ckpt {path}",
+                         keep_dtype=cfg.mixed_precision == "bf16")
+    apply_lora_files(model, family, adapters)
+    configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
+    return speed_up(model.eval(), cfg.mixed_precision, cfg.compile)
 
 
 def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:

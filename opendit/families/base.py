@@ -182,6 +182,8 @@ class LoadedModel:
     latent_shape: tuple[int, ...]  # per-sample model input to sample, e.g. (C, h, w) (see ModelFamily.sample_shape)
     weights: str  # where the weights came from
     vae_decode: DecodeOptions = DecodeOptions()  # how the VAE decodes samples (sample.py's --vae_tiling ...)
+    companions: dict = field(default_factory=dict)  # role -> a model ModelFamily.companion_checkpoints
+    # named, on the CPU until the family's sampler moves it to the device (Wan2.2 A14B: "low_noise", its expert)
 
 
 def preview_prompts(dataset, rows: int, model: str) -> list[str]:
@@ -344,6 +346,11 @@ class ModelFamily:
         was loaded at, or the size sample_cfg asks for (--height / --width, video --num_frames); a ValueError
         naming the flag for a size the model cannot take."""
         return loaded.latent_shape
+
+    def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
+        """Other models sampling needs beside --ckpt's, role -> checkpoint (Wan2.2 A14B: its low-noise expert):
+        loaded as --ckpt is, into LoadedModel.companions. Default: none."""
+        return {}
 
     def sample_batch(self, loaded: LoadedModel, sampler, indices: range, conditions: list, sample_cfg,
                      device: torch.device) -> np.ndarray:

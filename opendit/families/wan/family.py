@@ -14,6 +14,7 @@ What the model's forward takes: the official forward(x, t, context, seq_len) (li
 zero-padded -> velocity [B, C, F, H, W] (what training and sampling here call).
 """
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,10 @@ class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
     umt5: str | None = opt(None, "UMT5 encoder folder; default: the checkpoint's", from_checkpoint=True)
     image: str | None = opt(None, "image-to-video (Wan2.2 TI2V and I2V models): the first frame, an image file for "
                                   "every prompt or a folder with one per prompt (in name order)")
+    low_noise_ckpt: str | None = opt(None, "a two-expert Wan2.2 A14B model: the low-noise expert's checkpoint (--ckpt "
+                                           "is the high-noise one's); default: the A14B folder's own low-noise expert")
+    cfg_scale_low: float | None = opt(None, "the low-noise expert's guidance scale; default: the release's (T2V 3, "
+                                            "I2V 3.5)")
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
 
 
@@ -265,8 +270,10 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return self.constant(cfg.model, "sampling_steps")
 
     def sample_defaults(self, sample_cfg, cfg) -> dict:
-        return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": self.constant(cfg.model, "cfg_scale"),
-                "fps": self.constant(cfg.model, "fps"), "flow_shift": cfg.flow_shift}
+        constants = self.models[cfg.model].constants
+        return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": constants["cfg_scale"],
+                "cfg_scale_low": constants.get("cfg_scale_low", constants["cfg_scale"]), "fps": constants["fps"],
+                "flow_shift": cfg.flow_shift}
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
@@ -278,7 +285,14 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if cfg.expert != "none" and boundary is None:
             raise ValueError(f"--expert {cfg.expert}: {cfg.model} is one model, not two experts; the two-expert models "
                              f"are {', '.join(n for n, s in self.models.items() if 'boundary' in s.constants)}")
-        return dataclasses.replace(cfg, num_classes=0,
+        init_weights, two = cfg.init_weights, expert_folders(cfg.init_weights) if cfg.init_weights else None
+        if two is not None:  # one expert per run, from its own folder
+            if cfg.expert == "none":
+                raise ValueError(f"--init_weights {cfg.init_weights} holds two experts ({two['high'].name}/ for high "
+                                 f"noise, {two['low'].name}/ for low): train one per run with --expert high or "
+                                 f"--expert low")
+            init_weights, boundary = str(two[cfg.expert]), two["boundary"] or boundary
+        return dataclasses.replace(cfg, num_classes=0, init_weights=init_weights,
                                    flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"),
                                    i2v_prob=I2V_PROB.get(kind, 0.0) if cfg.i2v_prob is None else cfg.i2v_prob,
                                    expert_boundary=cfg.expert_boundary or boundary)
@@ -403,23 +417,46 @@ class WanFamily(ClipFamily, LatentImageFamily):
                                 image=self.image_condition(cfg.model), image_prob=cfg.i2v_prob,
                                 patch_size=self.models[cfg.model].arch["patch_size"], t_range=t_range)
 
+    def load_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """A two-expert A14B folder: its high-noise expert's (sample.py's --ckpt; the low one is a companion)."""
+        two = expert_folders(path)
+        return super().load_weights(str(two["high"]) if two else path)
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str):
-        """An official Wan2.1 T2V or Wan2.2 TI2V folder, or a diffusers Wan folder: the model from its config; a
-        pipeline folder also names its VAE and UMT5. (Image-to-video and two-expert folders are not run yet.)"""
+        """An official Wan2.1 T2V or Wan2.2 folder (TI2V-5B, or an A14B release's two experts), or a diffusers Wan
+        folder: the model from its config; a pipeline folder also names its VAE and UMT5."""
         p = Path(path)
-        kind, config = wan_folder(p)
-        if kind is None or config.get("model_type", "t2v") not in ("t2v", "ti2v"):
+        two = expert_folders(p)
+        kind, config = wan_folder(two["high"] if two else p)
+        if kind is None:
             return None
         found = (config.get("dim"), config.get("num_layers"), config.get("in_dim", 16))
-        name = next((n for n, s in WAN_MODELS.items()
-                     if (s.arch["dim"], s.arch["num_layers"], s.arch.get("in_dim", 16)) == found), None)
+        fits = [n for n, s in WAN_MODELS.items() if (s.arch["dim"], s.arch["num_layers"], s.arch.get("in_dim", 16))
+                == found]  # Wan2.2-T2V-A14B's experts are Wan2.1-T2V-14B's shape: two of them say A14B
+        name = next((n for n in fits if ("boundary" in WAN_MODELS[n].constants) == (two is not None)),
+                    fits[0] if fits else None)
         settings = dict(dataset="video_csv", image_size=480, num_frames=81, num_classes=0)
+        if two is not None and two["boundary"]:
+            settings["expert_boundary"] = two["boundary"]
         if (p / "vae").is_dir():
             settings["vae"] = str(p / "vae")
         if (p / "text_encoder").is_dir():
             settings["umt5"] = str(p)
         return ({**settings, "model": name} if name else settings), None
+
+    def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
+        """A two-expert model: its low-noise expert, from --low_noise_ckpt or the A14B folder --ckpt names."""
+        if "boundary" not in self.models[cfg.model].constants:
+            if sample_cfg.low_noise_ckpt:
+                raise ValueError(f"--low_noise_ckpt: {cfg.model} is one model, not two experts")
+            return {}
+        two = expert_folders(weights)
+        low = sample_cfg.low_noise_ckpt or (two and str(two["low"]))
+        if not low:
+            raise ValueError(f"{cfg.model} samples with two experts: --ckpt {weights} is one of them; pass the "
+                             f"low-noise expert's checkpoint with --low_noise_ckpt (or --ckpt the A14B folder)")
+        return {"low_noise": low}
 
     def conditions(self, sample_cfg, cfg) -> list:
         """The prompts; checks --image against the model and their count."""
@@ -456,27 +493,28 @@ class WanFamily(ClipFamily, LatentImageFamily):
         """Latents [n, C, T', h, w] for global indices; noise from (seed, first index). With --image, TI2V's first
         latent frame is the image's and its tokens see t = 0 at every step; I2V's model takes the mask and the
         conditioning clip's latent, for the guided and the unguided pass alike."""
-        model, enc, n = loaded.model, loaded.encoders, len(indices)
+        enc, n = loaded.encoders, len(indices)
+        experts = Experts(loaded, sample_cfg, device)
         z = torch.randn(n, *loaded.latent_shape, generator=sampling_generator(sample_cfg.seed, indices.start))
         context = enc.encode([conditions[i % len(conditions)] for i in indices], device)
-        scale = sample_cfg.cfg_scale
-        if scale > 1.0:  # [cond; uncond] in one pass, the second half with the negative prompt
+        if experts.guided:  # [cond; uncond] in one pass, the second half with the negative prompt
             context = torch.cat([context, enc.encode([sample_cfg.negative_prompt], device).expand_as(context)])
         kind, first = self.image_condition(loaded.cfg.model), self.first_frames(loaded, sample_cfg, indices, conditions)
         first = None if first is None else first.to(device)
         given = torch.full((n,), first is not None, device=device)
         grid = tuple(s // p for s, p in zip(z.shape[2:], self.models[loaded.cfg.model].arch["patch_size"]))
-        extra = {}
+        y = None
         if kind == "i2v":  # no image (a training preview): the channels of a dropped image, zeros
-            extra["y"] = i2v_inputs(torch.zeros_like(z, device=device) if first is None else first, given)
-        if extra and scale > 1.0:
-            extra["y"] = torch.cat([extra["y"], extra["y"]])
+            y = i2v_inputs(torch.zeros_like(z, device=device) if first is None else first, given)
 
         def velocity(x, t):
+            model, scale = experts.at(float(t[0]))
             if kind == "ti2v" and first is not None:
                 x, t = with_first_frame(x, first, given), ti2v_timesteps(t, given, grid)
+            extra = {} if y is None else {"y": y}
             if scale <= 1.0:
-                return model(x, t * 1000, context, **extra).float()
+                return model(x, t * 1000, context[:n], **extra).float()
+            extra = {} if y is None else {"y": torch.cat([y, y])}
             out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context, **extra).float()
             return cfg_velocity(out[:n], out[n:], scale)
 
@@ -568,6 +606,30 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return {"empty_umt5": encoders.empty_embedding("cpu")}
 
 
+class Experts:
+    """The model(s) sampling runs: one, or a two-expert A14B model's high-noise expert (loaded.model) for t >=
+    the run's boundary and its low-noise one (loaded.companions["low_noise"]) below, each with its guidance scale
+    (--cfg_scale, --cfg_scale_low). On a GPU only the expert in use is on it; the idle one waits on the CPU."""
+
+    def __init__(self, loaded, sample_cfg, device):
+        self.high, self.low = loaded.model, loaded.companions.get("low_noise")
+        self.boundary, self.device = loaded.cfg.expert_boundary, torch.device(device)
+        self.scales = (sample_cfg.cfg_scale, sample_cfg.cfg_scale if self.low is None else sample_cfg.cfg_scale_low)
+        self.guided = max(self.scales) > 1.0
+
+    def at(self, t: float) -> tuple[nn.Module, float]:
+        """(model, guidance scale) at time t in [0, 1]."""
+        if self.low is None or t >= self.boundary:
+            model, other, scale = self.high, self.low, self.scales[0]
+        else:
+            model, other, scale = self.low, self.high, self.scales[1]
+        if next(model.parameters()).device != self.device:
+            if other is not None and next(other.parameters()).device.type != "cpu":
+                other.to("cpu")
+            model.to(self.device)
+        return model, scale
+
+
 def wan_folder(path: Path) -> tuple[str | None, dict]:
     """("diffusers", our config) for a diffusers Wan transformer folder or a pipeline folder holding transformer/;
     ("official", its config.json) for an official Wan2.1 folder (config.json + diffusion_pytorch_model*.safetensors);
@@ -578,3 +640,16 @@ def wan_folder(path: Path) -> tuple[str | None, dict]:
     if WAN_WEIGHTS.is_official_folder(path):
         return "official", read_config(path)
     return None, {}
+
+
+def expert_folders(path) -> dict | None:
+    """A two-expert Wan2.2 A14B folder -> {"high": folder, "low": folder, "boundary": float or None}: the official
+    layout (high_noise_model/, low_noise_model/) or a diffusers pipeline (transformer/ the high-noise expert,
+    transformer_2/ the low-noise one, boundary_ratio in model_index.json); None for anything else."""
+    p = Path(path)
+    if (p / "high_noise_model").is_dir() and (p / "low_noise_model").is_dir():
+        return {"high": p / "high_noise_model", "low": p / "low_noise_model", "boundary": None}
+    if (p / "transformer_2").is_dir() and (p / "model_index.json").is_file():
+        return {"high": p / "transformer", "low": p / "transformer_2",
+                "boundary": json.loads((p / "model_index.json").read_text()).get("boundary_ratio")}
+    return None
