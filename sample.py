@@ -40,7 +40,7 @@ def main(cfg: cfglib.SampleConfig) -> None:
         conditions = family.conditions(cfg, run)
         dp_rank, dp_size, writes = sampling_groups(loaded, cfg, conditions, info)  # SP and CFG-parallel groups
         loaded = with_vae_decode(loaded, cfg, info.world_size, dp_size)  # tiling, --parallel_decode
-        cache = attach_step_cache(loaded.model, cfg)  # --cache: None, or reset before every batch
+        cache = attach_step_cache(loaded.model, cfg, loaded.companions)  # --cache: None, or reset before every batch
     except ValueError as e:
         raise SystemExit(f"sample.py: {e}") from None
     sampler = family.make_sampler(cfg, run)

@@ -2,6 +2,7 @@
 # Sample clips from a trained video model: one MP4 and PNG strip per clip, grid.png and grid.gif. Guidance scale,
 # steps, sampler and fps default to the model family's (Wan: UniPC, 50 steps, CFG 5; Latte: DDPM, 250, CFG 4).
 #   CKPT=latest bash sample_video.sh --prompts "the digit 3 moving up and left"    # the Wan demo's newest run
+#   CKPT=latest bash sample_video.sh --prompts "the digit 3 moving up" --image three.png   # image-to-video (Wan2.2)
 #   CKPT=latest bash sample_video.sh --class_labels 3 7                            # the Latte demo's
 #   CKPT=/models/Wan2.1-T2V-1.3B-Diffusers bash sample_video.sh --prompts "a cat surfing a wave at sunset" \
 #       --num_frames 81 --height 480 --width 832 --mixed_precision bf16               # the official weights

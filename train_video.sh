@@ -2,6 +2,8 @@
 # Launch video DiT training. NGPU, MODEL and extra flags come from the environment / command line.
 #   RECIPE=wan_digits bash train_video.sh      # text-to-video demo on CPUs: Wan-debug on captioned 3-frame 16 px
 #                                              # moving digits (4 px a frame), flow matching, a tiny local UMT5
+#   RECIPE=wan22_i2v_digits bash train_video.sh   # image-to-video demo: Wan2.2-I2V-debug, the same clips, each
+#                                              # conditioned on its own first frame (I2V-A14B's mask + latent)
 #   RECIPE=moving_digits bash train_video.sh   # the class-conditional demo: Latte-Ti/4 on 3-frame 16 px clips
 #   RECIPE=wan_t2v_1_3b WAN=/models/Wan2.1-T2V-1.3B-Diffusers DATA=/data/clips.csv NGPU=8 bash train_video.sh
 #       # full fine-tune of Wan2.1-T2V-1.3B from a local diffusers Wan folder (transformer/, vae/, text_encoder/,
@@ -13,7 +15,8 @@ set -euo pipefail
 NGPU=${NGPU:-1}
 RECIPE=${RECIPE:-wan_digits}
 case "$RECIPE" in
-  wan_digits)
+  wan_digits|wan22_i2v_digits)
+    [ "$RECIPE" = wan22_i2v_digits ] && MODEL=${MODEL:-Wan2.2-I2V-debug}
     MODEL=${MODEL:-Wan-debug}
     ENC=${ENC:-outputs/wan_demo_umt5}
     [ -f "$ENC/config.json" ] || python -m opendit.families.wan.tiny_umt5 "$ENC"
@@ -40,7 +43,7 @@ case "$RECIPE" in
       --image_size 256 --num_frames 16 --frame_interval 3 --vae "${VAE:-stabilityai/sd-vae-ft-ema}" \
       --batch_size 40 --lr 1e-4 --weight_decay 0 --ema_decay 0.9999 --max_steps 150000 --ckpt_every 10000 \
       --log_every 100 "$@" ;;
-  *) echo "unknown RECIPE=$RECIPE (wan_digits, moving_digits, wan_t2v_1_3b, ucf101)" >&2; exit 2 ;;
+  *) echo "unknown RECIPE=$RECIPE (wan_digits, wan22_i2v_digits, moving_digits, wan_t2v_1_3b, ucf101)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then
   exec torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"

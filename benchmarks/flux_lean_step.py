@@ -1,7 +1,7 @@
-"""A full fine-tune of flux-dev at 1024x1024 on one GPU capped at 16 GiB: train.py's own Trainer with the lean
-options, on a synthetic FLUX cache (latents and T5 / CLIP embeddings of random values, so no encoder, weights
-or data need downloading), starting from a base of zeros (a random init of 12B parameters on the host takes
-minutes; --base reuses a file already written, e.g. lora_step.py's). Reports seconds per step, peak GPU memory (allocated and
+"""A full fine-tune of flux-dev at 1024x1024 on one GPU capped at 16 GiB: train.py's own Trainer with the lean options,
+on a synthetic FLUX cache (latents and T5 / CLIP embeddings of random values, so no encoder, weights or data need
+downloading), starting from a base of zeros (a random init of 12B parameters on the host takes minutes; --base
+reuses a file already written, e.g. lora_step.py's). Reports seconds per step, peak GPU memory (allocated and
 reserved) and peak host memory, beside the sd-scripts recipe's published 32 GB card at about 12 s per image.
 
     python benchmarks/flux_lean_step.py --out flux_lean.md                        # GPU: flux-dev, 1024 px, 16 GiB

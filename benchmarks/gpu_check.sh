@@ -3,11 +3,12 @@
 # (PYTHONPATH=.). One device command may run 600 s, so a stage starts only when its timeout still fits in
 # TOTAL_S (default 570 s); the stages that did not fit are printed with the command that runs them next:
 #   OUT=$OUT bash benchmarks/gpu_check.sh                 # part 1 and as much of part 2 as fits (~9.5 min)
-#   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~5 min), in a second call
+#   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~6 min), in a second call
 # Part 1 (~7.5 min on an H200, 2026-12-04): DiT training and sampling throughput, kernels, optimizer offload,
 # the gpu-marked tests, the FID Inception, train.py / sample.py smoke runs (image and video), FLUX cached
-# sampling, the lean Wan2.1-1.3B step. Part 2 (~5 min): flux-dev (12B) rows, whose set-up reads a 24 GB base of
-# zeros on the host: the LoRA step, the lean full fine-tune under 16 GiB, the planner's predicted vs measured peak.
+# sampling, the lean Wan2.1-1.3B step. Part 2 (~6 min): flux-dev (12B) rows, whose set-up reads a 24 GB base of
+# zeros on the host: the LoRA step, the lean full fine-tune under 16 GiB, the lean Wan2.2-TI2V-5B step, the
+# planner's predicted vs measured peak.
 # Each stage's output lands under $WORK (default /tmp/gpu_check); $OUT/gpu_check.tgz holds all of it and is
 # rewritten after every stage (the device tool returns at most 8 files), $OUT/log.txt the whole log.
 set -uo pipefail
@@ -108,11 +109,16 @@ stage 2 "$S" "FLUX: flux-dev 1024px full fine-tune step under a 16 GiB cap (lean
   && timeout "$S" python3 benchmarks/flux_lean_step.py --steps 3 --base "$BASE" --out "$WORK/flux_lean.md" 2>&1 \
   | quiet | tail -12
 
+S=${WAN22_S:-75}
+stage 2 "$S" "Wan2.2: Wan2.2-TI2V-5B 49 x 704 x 704 full fine-tune step (48-channel 16x VAE latents; lean options; synthetic cache, base of zeros)" \
+  && timeout "$S" python3 benchmarks/wan_lean_step.py --model Wan2.2-TI2V-5B --num_frames 49 --height 704 \
+  --width 704 --steps 3 --base /dev/shm/wan22_base.safetensors --out "$WORK/wan22_lean.md" 2>&1 | quiet | tail -8
+
 S=${PLAN_S:-80}
 stage 2 "$S" "planner: predicted vs measured peak (DiT-XL/2 256px batch 8; flux-dev LoRA 16 at 512px)" \
   && timeout "$S" python3 benchmarks/plan_check.py --work /dev/shm/plan_check --base "$BASE" \
   --out "$WORK/plan_check.md" 2>&1 | quiet | tail -6
-rm -rf /dev/shm/lora_step /dev/shm/plan_check
+rm -rf /dev/shm/lora_step /dev/shm/plan_check /dev/shm/wan22_base.safetensors
 
 pack
 echo "== done (t=$(( $(date +%s) - start )) s); results: $OUT/gpu_check.tgz"

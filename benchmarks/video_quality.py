@@ -4,6 +4,7 @@ that the digit moves smoothly, as the real ones do.
 
     python benchmarks/video_quality.py                     # the docs/video.md figure (at most 20 min on 2 CPU cores)
     python benchmarks/video_quality.py --recipe wan_digits  # Wan-debug on captions: digit and direction per prompt
+    python benchmarks/video_quality.py --recipe wan22_i2v_digits   # Wan2.2 image-to-video: first frame + caption
     python benchmarks/video_quality.py --max_steps 20 --samples_per_class 2 --sampling_steps 10   # smoke run
 
 Prints: the classifier's accuracy on real held-out frames and on the generated frames (target >= 80%), and the
@@ -11,8 +12,12 @@ digit's motion: the mean step (px per frame) and mean change of velocity (px per
 its centre of mass, for real and generated clips, and the share of generated frame-to-frame steps of at most
 2 px (no jumps). With --recipe wan_digits each clip is prompted with a digit and a direction ("the digit 3
 moving up and left"), and it also prints the share of clips whose digit moved the prompted way (target >= 70%).
+With --recipe wan22_i2v_digits each clip is given a held-out clip's first frame and caption: the classifier checks
+every frame shows the image's digit, the direction check as above, and the generated first frame is compared with
+the image (mean absolute error as a share of the pixel range).
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -111,7 +116,14 @@ RECIPES = {
                                   ema_decay=0.995, max_steps=5000, timestep_sampling="logit_normal"),
                        sample=dict(cfg_scale=None, sampling_steps=None, sampler=None),
                        data=dict(digit_size=8, bounce=False, border=True, frame_interval=4), centre=True),
+    # image-to-video: Wan2.2-I2V-debug (I2V-A14B's conditioning: mask + first-frame latent) given each held-out
+    # clip's first frame and its caption
+    "wan22_i2v_digits": dict(train=dict(model="Wan2.2-I2V-debug", image_size=16, num_frames=3, batch_size=32,
+                                        lr=2e-3, ema_decay=0.995, max_steps=5000, timestep_sampling="logit_normal"),
+                             sample=dict(cfg_scale=None, sampling_steps=None, sampler=None),
+                             data=dict(digit_size=8, bounce=False, border=True, frame_interval=4), centre=True),
 }
+CAPTIONED = ("wan_digits", "wan22_i2v_digits")
 
 
 def directions_agree(clips: np.ndarray, prompts: list[str], travel: float) -> np.ndarray:
@@ -142,7 +154,7 @@ def train(a) -> str:
     """Train the demo recipe -> its last checkpoint folder."""
     from opendit.training.loop import Trainer
 
-    own = {"umt5": tiny_umt5(a.outputs), "timestep_sampling": a.timestep_sampling} if a.recipe == "wan_digits" \
+    own = {"umt5": tiny_umt5(a.outputs), "timestep_sampling": a.timestep_sampling} if a.recipe in CAPTIONED \
         else {"objective": a.objective}
     train_cfg = cfglib.TrainConfig(model=a.model, dataset="moving_digits", image_size=a.image_size,
                                    num_frames=a.num_frames, frame_interval=a.frame_interval, vae="none",
@@ -158,7 +170,8 @@ def train(a) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="moving_digits", choices=tuple(RECIPES),
-                   help="moving_digits: Latte on class labels; wan_digits: Wan-debug on captions")
+                   help="moving_digits: Latte on class labels; wan_digits: Wan-debug on captions; "
+                        "wan22_i2v_digits: Wan2.2-I2V-debug given each clip's first frame and caption")
     p.add_argument("--model")
     p.add_argument("--image_size", type=int)
     p.add_argument("--num_frames", type=int)
@@ -167,7 +180,7 @@ def main():
     p.add_argument("--lr", type=float)
     p.add_argument("--ema_decay", type=float)
     p.add_argument("--objective", choices=("diffusion", "flow"), help="moving_digits: Latte's training objective")
-    p.add_argument("--timestep_sampling", choices=("uniform", "logit_normal"), help="wan_digits: training t")
+    p.add_argument("--timestep_sampling", choices=("uniform", "logit_normal"), help="Wan recipes: training t")
     p.add_argument("--samples_per_class", type=int, default=10,
                    help="clips per digit (wan_digits: spread over the 8 directions)")
     p.add_argument("--cfg_scale", type=float)
@@ -191,7 +204,24 @@ def main():
                                      sampler=a.sampler, seed=a.seed)
     n = 10 * a.samples_per_class
     digits = [i % 10 for i in range(n)]
-    if a.recipe == "wan_digits":
+    border = recipe["data"].get("border", False)
+    real = MovingDigitsDataset(a.image_size, a.num_frames, split="held_out", seed=3, **recipe["data"])
+    first_error = None
+    if a.recipe == "wan22_i2v_digits":  # held-out clips' first frames and captions: the digit is the image's
+        from PIL import Image
+
+        folder = Path(a.outputs) / "first_frames"
+        folder.mkdir(parents=True, exist_ok=True)
+        prompts, firsts = [real.caption(i) for i in range(n)], []
+        for i in range(n):
+            first = ((real[i][0][0, 0].numpy() + 1) * 127.5).round().astype(np.uint8)
+            Image.fromarray(first).save(folder / f"{i:04d}.png")
+            firsts.append(first)
+        digits = [int(p.split()[2]) for p in prompts]
+        sample_cfg = dataclasses.replace(sample_cfg, image=str(folder))
+        clips, sample_s = sample_checkpoint(sample_cfg, prompts, n, chunk=20)
+        first_error = float(np.abs(clips[:, 0, ..., 0].astype(np.float32) - np.stack(firsts)).mean() / 255)
+    elif a.recipe == "wan_digits":
         from opendit.data.moving_digits import DIRECTIONS
 
         prompts = [f"the digit {d} moving {DIRECTIONS[(i // 10) % 8][0]}" for i, d in enumerate(digits)]
@@ -199,13 +229,11 @@ def main():
     else:
         prompts = None
         clips, sample_s = sample_checkpoint(sample_cfg, list(range(10)), n, chunk=20)  # uint8 [n, T, S, S, 3]
-    border = recipe["data"].get("border", False)
     grey = interior(clips[..., 0].astype(np.float32) / 255.0, border)  # [n, T, S', S'] in [0, 1]
     wanted = np.repeat(digits, a.num_frames)
 
     clf, real_acc = train_classifier(a.image_size, a.num_frames, recipe["centre"], **recipe["data"])
     gen_acc = float((clf.predict(grey.reshape(n * a.num_frames, -1) * 2 - 1) == wanted).mean())
-    real = MovingDigitsDataset(a.image_size, a.num_frames, split="held_out", seed=3, **recipe["data"])
     real_clips = interior(np.stack([(real[i][0][0].numpy() + 1) / 2 for i in range(n)]), border)
     result = dict(recipe=a.recipe, model=a.model, image_size=a.image_size, num_frames=a.num_frames,
                   steps=a.max_steps, batch_size=a.batch_size, train_seconds=round(train_s, 1),
@@ -214,6 +242,9 @@ def main():
                   generated_frame_accuracy=round(gen_acc, 4), motion_real=motion(real_clips),
                   motion_generated=motion(grey))
     summary = f"classifier on real held-out frames: {real_acc:.1%}; on generated frames: {gen_acc:.1%}"
+    if first_error is not None:
+        result["first_frame_mean_abs_error"] = round(first_error, 4)
+        summary += f"; first frame vs the given image: mean |error| {first_error:.3f} of the range"
     if prompts is not None:
         travel = real.speed * (a.num_frames - 1)
         real_prompts = [real.caption(i) for i in range(n)]

@@ -1,10 +1,12 @@
-"""A full fine-tune of Wan2.1-T2V-1.3B on one GPU with the lean options: train.py's own Trainer on a synthetic Wan
-cache (Wan-VAE latents and UMT5 embeddings of random values, so no encoder, weights or data need downloading),
-random initial weights. Reports seconds per step, peak GPU memory (allocated and reserved) and peak host memory,
-beside what benchmarks/wan_memory.py plans for the same model, clip and options.
+"""A full fine-tune of Wan2.1-T2V-1.3B (or Wan2.2-TI2V-5B, or one A14B expert) on one GPU with the lean options:
+train.py's own Trainer on a synthetic Wan cache (Wan-VAE latents and UMT5 embeddings of random values, so no
+encoder, weights or data need downloading), random initial weights (--base: a file of zeros). Reports seconds per
+step, peak GPU memory (allocated and reserved) and peak host memory, beside what benchmarks/wan_memory.py plans for
+the same model, clip and options.
 
     python benchmarks/wan_lean_step.py --out wan_lean.md                      # GPU: 1.3B, 33 x 480 x 480
     python benchmarks/wan_lean_step.py --num_frames 81 --height 480 --width 832     # the full-size clip
+    python benchmarks/wan_lean_step.py --model Wan2.2-TI2V-5B --num_frames 49 --height 704 --width 704
     python benchmarks/wan_lean_step.py --model Wan-debug --num_frames 5 --height 64 --width 64 --device cpu \\
         --steps 2 --blocks_to_swap 1                                          # CPU smoke
 
@@ -24,23 +26,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_common import write_zero_base  # noqa: E402
 from benchmarks.flux_lean_step import LEAN, time_lean_steps  # noqa: E402
-from benchmarks.wan_memory import GB, WanPlan  # noqa: E402
+from benchmarks.wan_memory import ARCHS, GB, WanPlan, vae_space  # noqa: E402
 from opendit.data.latents import CACHE_VERSION, MANIFEST  # noqa: E402
-from opendit.families.wan.model import WAN_CONFIGS  # noqa: E402
+from opendit.families.wan.family import WAN_CONSTANTS  # noqa: E402
+
+MODELS = [n for n, arch in ARCHS.items() if arch.get("model_type") != "i2v"]  # an I2V cache also needs its condition
 
 
 def write_synthetic_cache(folder: Path, model: str, num_frames: int, height: int, width: int, count: int) -> list:
     """A preprocess.py --family wan layout cache of `count` clips with random values, plus a stub UMT5 config (the
     model's text width is read from it) -> the latent shape [C, T', h, w]."""
-    arch = WAN_CONFIGS[model]
+    arch, space = ARCHS[model], vae_space(model)
     text_len, text_dim = arch["text_len"], arch["text_dim"]
     umt5 = folder / "umt5"
     umt5.mkdir(parents=True, exist_ok=True)
     (umt5 / "config.json").write_text(json.dumps({"model_type": "umt5", "d_model": text_dim}))
     cache = folder / "cache"
     cache.mkdir(exist_ok=True)
-    shape = [arch["in_dim"], 1 + (num_frames - 1) // 4, height // 8, width // 8]  # Wan's VAE: 4x in time, 8x in space
+    shape = [WAN_CONSTANTS[model]["vae_channels"], 1 + (num_frames - 1) // 4, height // space, width // space]
     rng = np.random.default_rng(0)
     arrays = dict(mean=rng.standard_normal((count, *shape), dtype=np.float32),
                   std=np.full((count, *shape), 0.05, dtype=np.float32),
@@ -60,7 +65,7 @@ def write_synthetic_cache(folder: Path, model: str, num_frames: int, height: int
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Wan2.1-T2V-1.3B", choices=list(WAN_CONFIGS))
+    p.add_argument("--model", default="Wan2.1-T2V-1.3B", choices=MODELS)
     p.add_argument("--num_frames", type=int, default=33, help="1 + 4k frames")
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=480)
@@ -69,6 +74,8 @@ def main():
     p.add_argument("--budget_gib", type=float, default=0.0, help="cap on the GPU memory; 0: none")
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default="/tmp/wan_lean")
+    p.add_argument("--base", default=None, help="start from this weights file, written as zeros when missing (no "
+                                                "random init of billions of parameters on the host); default: random")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     plan = WanPlan(a.model)
@@ -80,14 +87,18 @@ def main():
     if cuda and a.budget_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2 ** 30 / total))
-    setup_s, times, loss, host_gb = time_lean_steps(work, a.model, a.steps, a.blocks_to_swap, cuda)
+    base = Path(a.base) if a.base else None
+    if base is not None and not base.is_file():
+        write_zero_base(base, a.model)
+    setup_s, times, loss, host_gb = time_lean_steps(work, a.model, a.steps, a.blocks_to_swap, cuda, base)
     gpu = (torch.cuda.max_memory_allocated() / GB, torch.cuda.max_memory_reserved() / GB) if cuda else (0, 0)
     steady = times[1:] or times
     options = " ".join(f"--{k} {v}" for k, v in LEAN.items()) + f" --blocks_to_swap {a.blocks_to_swap}"
     lines = [f"# {a.model} full fine-tune step, {a.num_frames} x {a.height} x {a.width} (patch grid {grid}: "
              f"{tokens} video tokens), batch 1, {a.device}" + (f" capped at {a.budget_gib:g} GiB" if a.budget_gib
                                                                 else ""), "",
-             f"options: {options}; synthetic cache, random weights; torch {torch.__version__}; GB = 1e9 bytes", "",
+             f"options: {options}; synthetic cache, {'a base of zeros' if base else 'random weights'}; "
+             f"torch {torch.__version__}; GB = 1e9 bytes", "",
              "| set-up s | first step s | steady s/step | peak GPU allocated GB | peak GPU reserved GB | "
              "planned GPU GB (wan_memory.py) | peak host RSS GB | last loss |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -69,13 +69,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opendit.config import TrainConfig  # noqa: E402
 from opendit.families import family_of  # noqa: E402
 from opendit.families.wan import model as wan_module  # noqa: E402
-from opendit.families.wan.model import WAN_CONFIGS, WanModel  # noqa: E402
+from opendit.families.wan.family import WAN_CONSTANTS  # noqa: E402
+from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel  # noqa: E402
 from opendit.plan.account import offload_working_set, optimizer_bytes  # noqa: E402
 from opendit.plan.measure import _flash_like  # noqa: E402
 
 GB = 1e9
 MODELS = ("Wan2.1-T2V-14B", "Wan2.1-T2V-1.3B")
-VAE_TIME, VAE_SPACE = 4, 8
+VAE_TIME = 4
+ARCHS = {**WAN_CONFIGS, **WAN22_CONFIGS}
+
+
+def vae_space(name: str) -> int:
+    """The VAE's downsampling in space of model `name`: 8 for Wan2.1's VAE, 16 for Wan2.2's (48 channels)."""
+    return 16 if WAN_CONSTANTS[name]["vae_channels"] == 48 else 8
 PARTS = ("weights", "in_flight", "grads", "states", "master", "activations", "text_encoder", "vae")
 HEADS = ("weights", "weights in flight", "grads", "optimizer states", "master side data", "activations",
          "text encoder", "VAE")
@@ -87,13 +94,13 @@ LEGEND = ("\n\nComputed on the meta device: parameter counts, optimizer-state an
           "counted: CUDA context, kernel workspaces, fragmentation.")
 
 
-def video_tokens(num_frames: int, height: int, width: int, patch) -> tuple[tuple[int, int, int], int]:
-    """((f, h, w) patch grid, tokens) of one clip of num_frames x height x width pixels."""
-    if (num_frames - 1) % VAE_TIME or height % (VAE_SPACE * patch[1]) or width % (VAE_SPACE * patch[2]):
+def video_tokens(num_frames: int, height: int, width: int, patch,
+                 space: int = 8) -> tuple[tuple[int, int, int], int]:
+    """((f, h, w) patch grid, tokens) of one clip of num_frames x height x width pixels (a VAE `space`x smaller)."""
+    if (num_frames - 1) % VAE_TIME or height % (space * patch[1]) or width % (space * patch[2]):
         raise ValueError(f"{num_frames} x {height} x {width} does not fit Wan's VAE and patches: frames must be "
-                         f"1 + 4k, height and width multiples of {VAE_SPACE * patch[1]}")
-    grid = ((1 + (num_frames - 1) // VAE_TIME) // patch[0], height // VAE_SPACE // patch[1],
-            width // VAE_SPACE // patch[2])
+                         f"1 + 4k, height and width multiples of {space * patch[1]}")
+    grid = ((1 + (num_frames - 1) // VAE_TIME) // patch[0], height // space // patch[1], width // space // patch[2])
     return grid, math.prod(grid)
 
 
@@ -135,12 +142,12 @@ def activation_bytes(arch: dict, tokens: int, batch: int = 1) -> dict:
     try:
         with torch.device("meta"):
             # a (1, 1, tokens) patch grid: the bytes depend on the token count only
-            x = torch.randn(batch, model.in_dim, model.patch_size[0], model.patch_size[1],
-                            tokens * model.patch_size[2], dtype=torch.bfloat16)
+            x, y = (torch.randn(batch, c, model.patch_size[0], model.patch_size[1], tokens * model.patch_size[2],
+                                dtype=torch.bfloat16) for c in (model.out_dim, model.in_dim - model.out_dim))
             context = torch.randn(batch, model.text_len, model.text_dim)
             t = torch.rand(batch) * 1000
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model(x, t, context)
+                model(x, t, context, y=y if model.model_type == "i2v" else None)
     finally:
         wan_module.attention = saved_attention
         for h in handles:
@@ -176,7 +183,7 @@ class WanPlan:
     """One model's parameter and optimizer-state bytes (meta device) and its per-setting parts."""
 
     def __init__(self, name: str):
-        self.name, self.arch = name, WAN_CONFIGS[name]
+        self.name, self.arch, self.space = name, ARCHS[name], vae_space(name)
         with torch.device("meta"):
             model = WanModel(**self.arch).to(torch.bfloat16)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -192,7 +199,7 @@ class WanPlan:
         self._acts = {}
 
     def tokens(self, num_frames: int, height: int, width: int) -> tuple[tuple[int, int, int], int]:
-        return video_tokens(num_frames, height, width, self.arch["patch_size"])
+        return video_tokens(num_frames, height, width, self.arch["patch_size"], self.space)
 
     def acts(self, tokens: int) -> dict:
         if tokens not in self._acts:
@@ -280,7 +287,7 @@ def table(rows: list[dict], label: str) -> str:
 
 
 def notes(name: str, rows: list[dict], f: dict, a, enc: dict) -> str:
-    arch = WAN_CONFIGS[name]
+    arch = ARCHS[name]
     m, ml = f["acts"], f["acts_local"]
     per_token = (max(m["blocks"]) - max(ml["blocks"])) / (f["L"] - f["n_local"]) if f["L"] != f["n_local"] else None
     formula = formula_bytes_per_token(arch)
@@ -335,7 +342,7 @@ def main():
     for name in a.model:
         rows, facts = plan(name, a, enc)
         label = (f"{name}: {facts['n_params'] / 1e9:.2f}B parameters, {a.num_frames} x {a.height} x {a.width} "
-                 f"({facts['L']} video + {WAN_CONFIGS[name]['text_len']} text tokens), batch 1, GB = 1e9 bytes")
+                 f"({facts['L']} video + {ARCHS[name]['text_len']} text tokens), batch 1, GB = 1e9 bytes")
         texts.append(table(rows, label) + "\n\n" + notes(name, rows, facts, a, enc))
     text = "\n\n".join(texts) + LEGEND
     print(text)

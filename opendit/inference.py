@@ -211,10 +211,14 @@ def check_step_cache(sample_cfg, model=None) -> None:
         check_supported(model, kind)
 
 
-def attach_step_cache(model, sample_cfg) -> StepCache | None:
+def attach_step_cache(model, sample_cfg, companions: dict | None = None) -> StepCache | None:
     """The step cache of a completed sample config attached to `model` (None for --cache none); reset it before
-    every sampling batch. A ValueError naming the flag when it cannot run (check_step_cache)."""
+    every sampling batch. A ValueError naming the flag when it cannot run (check_step_cache), or when the model
+    samples with companions (a step cache follows one model's steps)."""
     check_step_cache(sample_cfg, model)
+    if companions and sample_cfg.cache != "none":
+        raise ValueError(f"--cache {sample_cfg.cache} follows one model's steps; this checkpoint samples with "
+                         f"{len(companions) + 1} models (--ckpt's and {', '.join(companions)}): leave --cache out")
     every = {"spatial": sample_cfg.pab_spatial_every, "temporal": sample_cfg.pab_temporal_every,
              "cross": sample_cfg.pab_cross_every}
     cache = make_step_cache(sample_cfg.cache, sample_cfg.num_sampling_steps, sample_cfg.cache_threshold, every,
@@ -255,10 +259,11 @@ def sampling_groups(loaded, sample_cfg, conditions: list, info) -> tuple[int, in
         kind = validate_sp(info.world_size, sp_size, sample_cfg.sequence_parallel_type, spec.num_heads,
                            kinds=spec.sp_kinds)
     mesh = sampling_mesh(info.device, info.world_size, sp_size, cfg_size)
-    if sp_size > 1:
-        enable_sequence_parallel(loaded.model, mesh["sp"].get_group(), kind)
-    if cfg_size > 1:
-        enable_cfg_parallel(loaded.model, mesh["cfg"].get_group())
+    for model in (loaded.model, *loaded.companions.values()):
+        if sp_size > 1:
+            enable_sequence_parallel(model, mesh["sp"].get_group(), kind)
+        if cfg_size > 1:
+            enable_cfg_parallel(model, mesh["cfg"].get_group())
     writes = mesh["sp"].get_local_rank() == 0 and mesh["cfg"].get_local_rank() == 0
     return mesh["dp"].get_local_rank(), mesh["dp"].size(), writes
 

@@ -21,13 +21,17 @@ def test_video_quality_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_wan_video_quality_smoke(tmp_path):
-    """--recipe wan_digits: prompts of a digit and a direction; the real clips move as their captions say."""
-    out = cli("benchmarks/video_quality.py", "--recipe", "wan_digits", "--max_steps", "3", "--batch_size", "4",
+@pytest.mark.parametrize("recipe", ["wan_digits", "wan22_i2v_digits"])
+def test_wan_video_quality_smoke(tmp_path, recipe):
+    """Prompts of a digit and a direction (wan22_i2v_digits: with each held-out clip's first frame); the real clips
+    move as their captions say."""
+    out = cli("benchmarks/video_quality.py", "--recipe", recipe, "--max_steps", "3", "--batch_size", "4",
               "--samples_per_class", "1", "--sampling_steps", "2", "--outputs", tmp_path)
     result = result_of(out)
     assert result["direction_real"] == 1.0 and 0 <= result["direction_generated"] <= 1
     assert 0 <= result["generated_frame_accuracy"] <= 1 and result["clips"] == 10
+    if recipe == "wan22_i2v_digits":
+        assert 0 <= result["first_frame_mean_abs_error"] <= 1 and len(list((tmp_path / "first_frames").iterdir())) == 10
 
 
 @pytest.mark.slow

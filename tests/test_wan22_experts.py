@@ -3,6 +3,8 @@ transformer/ + transformer_2/ with boundary_ratio), one expert trained per run f
 that switches experts at the boundary with a guidance scale each, the idle one off the device."""
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from opendit import config as cfglib
 from opendit.families.base import LoadedModel
 from opendit.families.wan.family import Experts, WanFamily, expert_folders
 from opendit.families.wan.model import WAN22_CONFIGS, WanModel
+from tests.test_train import ROOT
 from tests.test_video_family import cli
 
 MODEL = "Wan2.2-I2V-debug"  # TI2V-sized at CPU scale, I2V's 36 input channels, the I2V release's boundary 0.9
@@ -124,7 +127,7 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
 
     both, log = sample("both", "--ckpt", folder)
     assert "low_noise_model as the low_noise model" in log
-    named, _ = sample("named", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt", folder / "low_noise_model")
+    named, _ = sample("named", "--ckpt", folder / "high_noise_model")  # its sibling is the low-noise expert
     high_only, _ = sample("high", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt",
                           folder / "high_noise_model")
     assert np.array_equal(both, named) and not np.array_equal(both, high_only)
@@ -132,6 +135,9 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     lora, log = sample("lora", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt",
                        next((tmp_path / "low").glob("*/checkpoints/step-000002")))
     assert "low_noise_model as the low_noise model" in log and not np.array_equal(lora, both)
+    out = subprocess.run([sys.executable, "sample.py", *map(str, common), "--ckpt", str(folder / "low_noise_model"),
+                          "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--low_noise_ckpt the low-noise one's" in out.stderr.splitlines()[-1]
 
 
 def test_a_diffusers_a14b_pipeline_loads_both_experts_and_its_boundary(tmp_path):

@@ -62,10 +62,13 @@ def test_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path, umt5):
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 8, 16, 3)
 
 
-def test_resumed_losses_equal_uninterrupted(tmp_path, umt5):
-    _, full = run_trainer(wan_cfg(tmp_path / "a", umt5, max_steps=4, ckpt_every=2))
-    run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=2, ckpt_every=2))
-    _, resumed = run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest"))
+@pytest.mark.parametrize("kw", [{}, dict(model="Wan2.2-debug", i2v_prob=0.5),
+                                dict(model="Wan2.2-I2V-debug", expert="high")], ids=["t2v", "ti2v", "i2v-expert"])
+def test_resumed_losses_equal_uninterrupted(tmp_path, umt5, kw):
+    """Wan2.1, and Wan2.2's image-to-video draws (which clips take their first frame) and one expert's times."""
+    _, full = run_trainer(wan_cfg(tmp_path / "a", umt5, max_steps=4, ckpt_every=2, **kw))
+    run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=2, ckpt_every=2, **kw))
+    _, resumed = run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest", **kw))
     assert resumed == full[2:]
     assert all(np.isfinite(full))
 

@@ -48,10 +48,15 @@ def test_memory_plan_adds_up_shards_by_eight_and_fits_the_lean_14b_on_one_80_gb_
     assert len(measured) == 2 and all(m == f for m, f in measured)  # the docstring's formula is what autograd saves
 
 
-def test_lean_step_runs_wan_debug_on_cpu(tmp_path):
-    cli("benchmarks/wan_lean_step.py", "--model", "Wan-debug", "--num_frames", "5", "--height", "64", "--width",
-        "64", "--device", "cpu", "--steps", "2", "--blocks_to_swap", "1", "--work", tmp_path / "lean",
-        "--out", tmp_path / "lean.md")
-    last = (tmp_path / "lean.md").read_text().splitlines()[-1].split("|")
+@pytest.mark.parametrize("model, size, grid, extra", [("Wan-debug", "64", "(2, 2, 2)", ()),
+                                                    ("Wan2.2-debug", "128", "(2, 4, 4)", ("--base",))])
+def test_lean_step_runs_wan_debug_on_cpu(tmp_path, model, size, grid, extra):
+    """Wan2.1's VAE geometry (16 channels, 8x) from random weights; Wan2.2's (48, 16x) from a zero base file."""
+    cli("benchmarks/wan_lean_step.py", "--model", model, "--num_frames", "5", "--height", size, "--width", size,
+        "--device", "cpu", "--steps", "2", "--blocks_to_swap", "1", "--work", tmp_path / "lean",
+        "--out", tmp_path / "lean.md", *[x for e in extra for x in (e, tmp_path / "base.safetensors")])
+    text = (tmp_path / "lean.md").read_text()
+    last = text.splitlines()[-1].split("|")
     assert float(last[6]) > 0  # wan_memory.py's plan for the same run
     assert np.isfinite(float(last[8]))  # the step ran and its loss is a number
+    assert f"patch grid {grid}" in text

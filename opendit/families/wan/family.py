@@ -446,17 +446,23 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return ({**settings, "model": name} if name else settings), None
 
     def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
-        """A two-expert model: its low-noise expert, from --low_noise_ckpt or the A14B folder --ckpt names."""
+        """A two-expert model's low-noise expert: --low_noise_ckpt, else the A14B folder's (--ckpt the folder or its
+        high-noise expert's). None for a run trained on the whole schedule (one model samples all of it)."""
         if "boundary" not in self.models[cfg.model].constants:
             if sample_cfg.low_noise_ckpt:
                 raise ValueError(f"--low_noise_ckpt: {cfg.model} is one model, not two experts")
             return {}
-        two = expert_folders(weights)
-        low = sample_cfg.low_noise_ckpt or (two and str(two["low"]))
-        if not low:
-            raise ValueError(f"{cfg.model} samples with two experts: --ckpt {weights} is one of them; pass the "
-                             f"low-noise expert's checkpoint with --low_noise_ckpt (or --ckpt the A14B folder)")
-        return {"low_noise": low}
+        if sample_cfg.low_noise_ckpt:
+            return {"low_noise": sample_cfg.low_noise_ckpt}
+        two, beside = expert_folders(weights), expert_folders(Path(weights).parent)
+        if two is not None:
+            return {"low_noise": str(two["low"])}
+        if beside is not None and Path(weights) == beside["high"]:
+            return {"low_noise": str(beside["low"])}
+        if beside is None and cfg.expert == "none":
+            return {}
+        raise ValueError(f"{cfg.model} samples with two experts and --ckpt {weights} is one of them: --ckpt the "
+                         f"high-noise expert's checkpoint (or the A14B folder) and --low_noise_ckpt the low-noise one's")
 
     def conditions(self, sample_cfg, cfg) -> list:
         """The prompts; checks --image against the model and their count."""
