@@ -242,9 +242,6 @@ def main():
                   generated_frame_accuracy=round(gen_acc, 4), motion_real=motion(real_clips),
                   motion_generated=motion(grey))
     summary = f"classifier on real held-out frames: {real_acc:.1%}; on generated frames: {gen_acc:.1%}"
-    if first_error is not None:
-        result["first_frame_mean_abs_error"] = round(first_error, 4)
-        summary += f"; first frame vs the given image: mean |error| {first_error:.3f} of the range"
     if prompts is not None:
         travel = real.speed * (a.num_frames - 1)
         real_prompts = [real.caption(i) for i in range(n)]
@@ -254,6 +251,9 @@ def main():
                     f"(target >= 70%; real clips {result['direction_real']:.1%})")
     else:
         summary += " (target >= 80%)"
+    if first_error is not None:
+        result["first_frame_mean_abs_error"] = round(first_error, 4)
+        summary += f"; first frame vs the given image: mean |error| {first_error:.3f} of the pixel range"
     print(json.dumps(result, indent=1))
     print(f"\n{summary}; training {train_s / 60:.1f} min, sampling {sample_s / 60:.1f} min")
 
