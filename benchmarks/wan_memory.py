@@ -4,6 +4,11 @@
 
     python benchmarks/wan_memory.py                                   # both models (no memory used, seconds)
     python benchmarks/wan_memory.py --model Wan2.1-T2V-14B --num_frames 49 --out wan_memory.md
+    python benchmarks/wan_memory.py --model Wan2.2-I2V-A14B           # one A14B expert (I2V: 36 input channels)
+    python benchmarks/wan_memory.py --model Wan2.2-TI2V-5B --num_frames 121 --height 704 --width 1280
+
+Wan2.2: an A14B expert is Wan2.1-14B's network (the I2V one reads 36 channels); only the expert in training is
+built, so a row is one run of --expert high or low. TI2V-5B's VAE divides space by 16, not 8.
 
 Geometry: Wan's VAE divides time by 4 (1 + (T - 1) / 4 latent frames) and space by 8, and the (1, 2, 2) patches
 halve the latent's height and width: 81 x 480 x 832 -> latents 16 x 21 x 60 x 104 -> 21 * 30 * 52 = 32,760 video
@@ -75,7 +80,8 @@ from opendit.plan.account import offload_working_set, optimizer_bytes  # noqa: E
 from opendit.plan.measure import _flash_like  # noqa: E402
 
 GB = 1e9
-MODELS = ("Wan2.1-T2V-14B", "Wan2.1-T2V-1.3B")
+MODELS = ("Wan2.1-T2V-14B", "Wan2.1-T2V-1.3B")  # the default tables; --model also takes Wan2.2's
+CHOICES = (*MODELS, "Wan2.2-T2V-A14B", "Wan2.2-I2V-A14B", "Wan2.2-TI2V-5B")  # an A14B row is one expert
 VAE_TIME = 4
 ARCHS = {**WAN_CONFIGS, **WAN22_CONFIGS}
 
@@ -171,10 +177,10 @@ def sequence_parallel_size(num_heads: int, gpus: int, wanted: int) -> int:
     return max(p for p in range(1, wanted + 1) if num_heads % p == 0 and gpus % p == 0)
 
 
-def encoder_params() -> dict:
-    """Parameter counts of UMT5-XXL's encoder and the Wan VAE: the memory planner's (the Wan family's memory_probe
-    on a GPU, which holds UMT5 in bf16 and the VAE in fp32)."""
-    cfg = TrainConfig(model=MODELS[0], vae="usual", num_frames=81, image_size=480)
+def encoder_params(name: str = MODELS[0]) -> dict:
+    """Parameter counts of UMT5-XXL's encoder and model `name`'s Wan VAE (Wan2.2-TI2V-5B: the 48-channel one): the
+    memory planner's (the Wan family's memory_probe on a GPU, which holds UMT5 in bf16 and the VAE in fp32)."""
+    cfg = TrainConfig(model=name, vae="usual", num_frames=81, image_size=480)
     probe = family_of(cfg.model).memory_probe(cfg, torch.device("cuda"))
     return dict(umt5=probe.encoders["UMT5-XXL encoder"] / 2, vae=probe.encoders["Wan VAE"] / 4)
 
@@ -325,7 +331,7 @@ def notes(name: str, rows: list[dict], f: dict, a, enc: dict) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--model", nargs="+", default=list(MODELS), choices=CHOICES)
     p.add_argument("--num_frames", type=int, default=81)
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=832)
@@ -337,9 +343,9 @@ def main():
                    help="of the budget, left free for what the plan does not count when choosing --blocks_to_swap")
     p.add_argument("--out", default=None, help="also write the tables to this Markdown file")
     a = p.parse_args()
-    enc = encoder_params()
     texts = []
     for name in a.model:
+        enc = encoder_params(name)
         rows, facts = plan(name, a, enc)
         label = (f"{name}: {facts['n_params'] / 1e9:.2f}B parameters, {a.num_frames} x {a.height} x {a.width} "
                  f"({facts['L']} video + {ARCHS[name]['text_len']} text tokens), batch 1, GB = 1e9 bytes")

@@ -48,6 +48,24 @@ def test_memory_plan_adds_up_shards_by_eight_and_fits_the_lean_14b_on_one_80_gb_
     assert len(measured) == 2 and all(m == f for m, f in measured)  # the docstring's formula is what autograd saves
 
 
+def test_wan22_rows_one_a14b_expert_and_ti2v_5b_with_its_16x_vae(tmp_path):
+    """One I2V-A14B expert is the 14B plan's network with 36 input channels; TI2V-5B at 121 x 704 x 1280 has
+    31 x 22 x 40 = 27,280 video tokens (the 16x VAE) and its 48-channel VAE's bytes."""
+    out = tmp_path / "wan22.md"
+    cli("benchmarks/wan_memory.py", "--model", "Wan2.2-I2V-A14B", "Wan2.2-TI2V-5B", "--num_frames", "121", "--height",
+        "704", "--width", "1280", "--out", out)
+    text = out.read_text()
+    tables = plan_tables(text)
+    assert set(tables) == {"Wan2.2-I2V-A14B", "Wan2.2-TI2V-5B"}
+    for model, rows in tables.items():
+        for setting, parts, total in rows:
+            assert total == pytest.approx(sum(parts), abs=PARTS * 0.005), (model, setting)
+    assert "Wan2.2-TI2V-5B: 5.00B parameters, 121 x 704 x 1280 (27280 video" in text
+    assert "Wan VAE 704.7M" in text and "14.29B parameters" in text  # I2V-A14B's expert: 14,288,901,184
+    measured = re.findall(r"measured (\d+), formula 66 D \+ 4 F \+ 8 H \+ 36 = (\d+)", text)
+    assert len(measured) == 2 and all(m == f for m, f in measured)
+
+
 @pytest.mark.parametrize("model, size, grid, extra", [("Wan-debug", "64", "(2, 2, 2)", ()),
                                                     ("Wan2.2-debug", "128", "(2, 4, 4)", ("--base",))])
 def test_lean_step_runs_wan_debug_on_cpu(tmp_path, model, size, grid, extra):

@@ -462,7 +462,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if beside is None and cfg.expert == "none":
             return {}
         raise ValueError(f"{cfg.model} samples with two experts and --ckpt {weights} is one of them: --ckpt the "
-                         f"high-noise expert's checkpoint (or the A14B folder) and --low_noise_ckpt the low-noise one's")
+                         f"high-noise expert's checkpoint (or the A14B folder) and --low_noise_ckpt the low-noise "
+                         f"one's")
 
     def conditions(self, sample_cfg, cfg) -> list:
         """The prompts; checks --image against the model and their count."""
