@@ -4,7 +4,8 @@
 #                                              # moving digits (4 px a frame), flow matching, a tiny local UMT5
 #   RECIPE=wan22_i2v_digits bash train_video.sh   # image-to-video demo: Wan2.2-I2V-debug, the same clips, each
 #                                              # conditioned on its own first frame (I2V-A14B's mask + latent)
-#   RECIPE=moving_digits bash train_video.sh   # the class-conditional demo: Latte-Ti/4 on 3-frame 16 px clips
+#   RECIPE=moving_digits bash train_video.sh   # the class-conditional demo: Latte-Ti/4 on 3-frame 16 px clips,
+#                                              # flow matching (98% of frames show the digit; IDDPM's 79%)
 #   RECIPE=wan_t2v_1_3b WAN=/models/Wan2.1-T2V-1.3B-Diffusers DATA=/data/clips.csv NGPU=8 bash train_video.sh
 #       # full fine-tune of Wan2.1-T2V-1.3B from a local diffusers Wan folder (transformer/, vae/, text_encoder/,
 #       # tokenizer/) on a CSV of path,caption: 33 frames at 480 px, bf16, zero2; on one GPU: NGPU=1 adds the
@@ -58,7 +59,8 @@ case "$RECIPE" in
   moving_digits)
     MODEL=${MODEL:-Latte-Ti/4}
     set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 3 --vae none --batch_size 48 \
-      --lr 2e-3 --ema_decay 0.995 --max_steps 1500 --ckpt_every 500 --log_every 50 --num_workers 0 "$@" ;;
+      --lr 2e-3 --ema_decay 0.995 --max_steps 1500 --objective flow --ckpt_every 500 --log_every 50 --num_workers 0 \
+      "$@" ;;
   ucf101)
     MODEL=${MODEL:-Latte-XL/2}
     set -- --model "$MODEL" --dataset video_csv --data_path "${DATA:?set DATA to a CSV of path,label (UCF-101)}" \

@@ -110,7 +110,7 @@ def motion(clips: np.ndarray) -> dict:
 # The two demo recipes (train_video.sh's): training flags, and how the quality run samples them.
 RECIPES = {
     "moving_digits": dict(train=dict(model="Latte-Ti/4", image_size=16, num_frames=3, batch_size=48, lr=2e-3,
-                                     ema_decay=0.995, max_steps=1500, objective="diffusion"),
+                                     ema_decay=0.995, max_steps=1500, objective="flow"),
                           sample=dict(cfg_scale=12.0, sampling_steps=100, sampler=None), data={}, centre=False),
     "wan_digits": dict(train=dict(model="Wan-debug", image_size=16, num_frames=3, batch_size=32, lr=2e-3,
                                   ema_decay=0.995, max_steps=5000, timestep_sampling="logit_normal"),
@@ -179,7 +179,8 @@ def main():
     p.add_argument("--batch_size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--ema_decay", type=float)
-    p.add_argument("--objective", choices=("diffusion", "flow"), help="moving_digits: Latte's training objective")
+    p.add_argument("--objective", choices=("diffusion", "flow"),
+                   help="moving_digits: Latte's training objective (the recipe's: flow)")
     p.add_argument("--timestep_sampling", choices=("uniform", "logit_normal"), help="Wan recipes: training t")
     p.add_argument("--samples_per_class", type=int, default=10,
                    help="clips per digit (wan_digits: spread over the 8 directions)")
