@@ -15,7 +15,7 @@ from opendit.families.wan.family import WanEncoders, WanFamily, WanFlowObjective
 from opendit.families.wan.first_frame import (condition_video, i2v_inputs, load_first_frame, ti2v_timesteps,
                                               with_first_frame)
 from tests.test_train import ROOT
-from tests.test_video_family import cli
+from tests.test_video_family import cli, write_csv_videos
 
 
 def official_i2v_mask(frames: int, lat_h: int, lat_w: int) -> torch.Tensor:
@@ -190,11 +190,14 @@ def test_image_to_video_through_the_entry_scripts(tmp_path):
     assert np.load(tmp_path / "s_i2v" / "samples.npz")["arr_0"].shape == (1, 3, 16, 16, 3)
 
     vae = save_tiny_wan_vae(tmp_path / "vae")
-    cli("preprocess.py", "--family", "wan", "--model", "Wan2.2-I2V-debug", "--dataset", "moving_digits",
-        "--image_size", "32", "--num_frames", "5", "--vae", vae, "--umt5", umt5, "--batch_size", "4",
-        "--num_workers", "0", "--out", tmp_path / "cache")
-    cli("train.py", "--model", "Wan2.2-I2V-debug", *common, "--dataset", "latents", "--data_path",
-        tmp_path / "cache", "--outputs", tmp_path / "cached")
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    write_csv_videos(videos)  # three readable 12-frame clips with captions (and some broken rows, skipped)
+    cli("preprocess.py", "--family", "wan", "--model", "Wan2.2-I2V-debug", "--dataset", "video_csv", "--data_path",
+        videos / "captions.csv", "--image_size", "32", "--num_frames", "5", "--vae", vae, "--umt5", umt5,
+        "--batch_size", "4", "--num_workers", "0", "--out", tmp_path / "cache")
+    cli("train.py", "--model", "Wan2.2-I2V-debug", *common, "--batch_size", "2", "--dataset", "latents",
+        "--data_path", tmp_path / "cache", "--outputs", tmp_path / "cached")
     cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "a", "--image",
         tmp_path / "first.png", "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "s_cached")
     assert np.load(tmp_path / "s_cached" / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)

@@ -510,19 +510,18 @@ class WanFamily(ClipFamily, LatentImageFamily):
         first = None if first is None else first.to(device)
         given = torch.full((n,), first is not None, device=device)
         grid = tuple(s // p for s, p in zip(z.shape[2:], self.models[loaded.cfg.model].arch["patch_size"]))
-        y = None
+        y = y_pair = None
         if kind == "i2v":  # no image (a training preview): the channels of a dropped image, zeros
             y = i2v_inputs(torch.zeros_like(z, device=device) if first is None else first, given)
+            y_pair = torch.cat([y, y])
 
         def velocity(x, t):
             model, scale = experts.at(float(t[0]))
             if kind == "ti2v" and first is not None:
                 x, t = with_first_frame(x, first, given), ti2v_timesteps(t, given, grid)
-            extra = {} if y is None else {"y": y}
             if scale <= 1.0:
-                return model(x, t * 1000, context[:n], **extra).float()
-            extra = {} if y is None else {"y": torch.cat([y, y])}
-            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context, **extra).float()
+                return model(x, t * 1000, context[:n], y=y).float()
+            out = model(torch.cat([x, x]), torch.cat([t, t]) * 1000, context, y=y_pair).float()
             return cfg_velocity(out[:n], out[n:], scale)
 
         z = z.to(device)
