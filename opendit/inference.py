@@ -119,11 +119,8 @@ def load_model(cfg, device) -> LoadedModel:
     run's settings (flags win over the checkpoint's training config, which wins over a family's defaults)."""
     path = Path(latest_run_checkpoint(cfg.outputs) if cfg.ckpt == "latest" else cfg.ckpt)
     flags = checkpoint_overrides(cfg)
-    weights, trained, state = read_checkpoint(path, flags.get("model"))
-    adapters = [parse_lora_spec(s) for s in cfg.lora]
-    if trained.get("lora_rank"):  # a LoRA run's checkpoint: its base weights, then its own adapters
-        weights, own = lora_run_weights(path, trained)
-        adapters.insert(0, (own, 1.0))
+    weights, trained, state, adapters = _weights_and_adapters(path, flags.get("model"))
+    adapters += [parse_lora_spec(s) for s in cfg.lora]
     settings = {**trained, **flags}
     name = settings.get("model")
     if name is None:
@@ -136,17 +133,13 @@ def load_model(cfg, device) -> LoadedModel:
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
     model = _network(family, run, shape, path, weights, state, adapters, cfg, device).to(device)
-    # from here on latent_shape is what sampling draws: the size of --height / --width (/ --num_frames)
     companions = {}
     for role, companion in family.companion_checkpoints(run, cfg, weights).items():  # kept on the CPU until used
-        c_weights, c_trained, c_state = read_checkpoint(Path(companion), name)
-        c_adapters = []
-        if c_trained.get("lora_rank"):
-            c_weights, own = lora_run_weights(Path(companion), c_trained)
-            c_adapters.append((own, 1.0))
+        c_weights, _, c_state, c_adapters = _weights_and_adapters(Path(companion), name)
         companions[role] = _network(family, run, shape, companion, c_weights, c_state, c_adapters, cfg, device)
         logger.info("loaded %s as the %s model (kept on the CPU while idle)", c_weights, role)
     loaded = LoadedModel(family, model, encoders, run, shape, weights, companions=companions)
+    # from here on latent_shape is what sampling draws: the size of --height / --width (/ --num_frames)
     loaded = dataclasses.replace(loaded, latent_shape=tuple(family.sample_shape(loaded, cfg)))
     logger.info("loaded %s (%s, family %s, input %s, sampling %s, vae %s)", weights, name, family.name,
                 "x".join(map(str, shape)), "x".join(map(str, loaded.latent_shape)), run.vae)
@@ -164,6 +157,16 @@ def _network(family, run, shape, path, weights: str, state, adapters: list, cfg,
     apply_lora_files(model, family, adapters)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     return speed_up(model.eval(), cfg.mixed_precision, cfg.compile)
+
+
+def _weights_and_adapters(path: Path, model: str | None) -> tuple[str, dict, dict | None, list]:
+    """read_checkpoint's (weights, training settings, state) and the adapters that go with them: a LoRA run's
+    checkpoint is its base weights plus its own lora.safetensors."""
+    weights, trained, state = read_checkpoint(path, model)
+    if not trained.get("lora_rank"):
+        return weights, trained, state, []
+    weights, own = lora_run_weights(path, trained)
+    return weights, trained, state, [(own, 1.0)]
 
 
 def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:
