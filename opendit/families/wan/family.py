@@ -1,7 +1,9 @@
-"""Wan2.1 text-to-video as a model family: Wan2.1-T2V-1.3B / -14B (the official architecture; the published
-weights and diffusers' Wan folders load) and Wan-debug (tiny, for CPUs) on captioned clips, flow matching as Wan
-is trained, UMT5 token embeddings through cross-attention, Wan's causal 3-D VAE (or pixel space for the demo),
-sampling with diffusers' UniPC in its flow mode (Wan's default) or flow Euler.
+"""Wan as a model family: Wan2.1-T2V-1.3B / -14B, Wan2.2-TI2V-5B and the two experts of Wan2.2-T2V-A14B /
+-I2V-A14B (the official architecture; the published weights and diffusers' Wan folders load), and Wan-debug,
+Wan2.2-debug, Wan2.2-I2V-debug (tiny, for CPUs) on captioned clips, flow matching as Wan is trained
+(objective.py; image-to-video in first_frame.py), UMT5 token embeddings through cross-attention, Wan's causal 3-D
+VAEs (or pixel space for the demo), sampling with diffusers' UniPC in its flow mode (Wan's default) or flow Euler,
+one expert at a time for A14B (experts.py).
 
 Data: the moving-digits demo (captioned "the digit 3 moving up and left"; here the digit is half the frame and
 never touches a wall, so the caption's direction holds in every frame, and a grey border marks the canvas's edge,
@@ -14,7 +16,6 @@ What the model's forward takes: the official forward(x, t, context, seq_len) (li
 zero-padded -> velocity [B, C, F, H, W] (what training and sampling here call).
 """
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,17 +25,18 @@ from tqdm.auto import tqdm
 
 from opendit.booster import shard_frozen
 from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
-from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, cfg_velocity, euler_sample, shift_times
-from opendit.diffusion.sampling import progress_interval, randn
+from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, cfg_velocity, euler_sample, shift_times
+from opendit.diffusion.sampling import progress_interval
 from opendit.encoders.text import FixedEmbeddings, encoder_dtype
 from opendit.checkpoint.folders import read_config
-from opendit.encoders.vae import posterior_sample
 from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
+from opendit.families.wan.experts import Experts, expert_folders
 from opendit.families.wan.first_frame import (condition_kind, condition_video, first_frame_paths, i2v_inputs,
                                               load_first_frame, ti2v_timesteps, with_first_frame)
 from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
+from opendit.families.wan.objective import WanEncoders, WanFlowObjective
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.vae import VAE_PARAMS, load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
 from opendit.families.wan.weights import WAN_WEIGHTS
@@ -96,105 +98,6 @@ class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
 @dataclass
 class WanCacheOptions(ClipCacheOptions):
     umt5: str = opt("none", "the UMT5 encoder folder whose token embeddings to cache")
-
-
-@dataclass
-class WanEncoders:
-    vae: nn.Module | None  # None: pixel space, or training on a cache
-    text: object | None  # UMT5 (a TokenTextEncoder, or FixedEmbeddings); None when training on a cache
-    empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
-    first_frame: bool = False  # caching for an i2v model: also the latent of each clip's conditioning clip
-
-    def encode(self, captions: list[str], device) -> torch.Tensor:
-        """captions -> UMT5 embeddings [B, L, D] float32 on device, zero after each caption's tokens."""
-        return self.text(captions).float().to(device)
-
-    def empty_embedding(self, device) -> torch.Tensor:
-        if self.empty is None:
-            self.empty = self.encode([""], "cpu")[0]
-        self.empty = self.empty.to(device)  # kept there: later steps copy nothing
-        return self.empty
-
-
-class WanFlowObjective:
-    """Flow matching as Wan is trained: x_t = (1 - t) x0 + t eps, the model (fed 1000 t) predicts eps - x0, MSE in
-    fp32; t drawn from --timestep_sampling and shifted by --flow_shift, within t_range (one expert's share of the
-    schedule). A batch is (clips [B, C, T, H, W] in
-    [-1, 1], labels, captions) or a cached one ((mean, std) [B, z, T', h, w], labels, captions, UMT5 [B, L, D][,
-    the i2v conditioning clip's latent]); a latent is mean + std * randn of the normalised posterior either way, so
-    a cache trains as encoding on the fly does.
-
-    Image-to-video (image "i2v" or "ti2v", first_frame.py): a share image_prob of the clips (all in validation when
-    it is above 0) is conditioned on its own first frame; ti2v's loss leaves out the given first latent frame."""
-
-    def __init__(self, encoders: WanEncoders, shift: float, timestep_sampling: str, dropout: float,
-                 image: str | None = None, image_prob: float = 0.0, patch_size=(1, 2, 2), t_range=(0.0, 1.0)):
-        self.encoders, self.shift, self.dropout = encoders, shift, dropout
-        self.image, self.image_prob, self.patch_size, self.t_range = image, image_prob, patch_size, tuple(t_range)
-        self.flow = RectifiedFlow(timestep_sampling, shift=False)
-
-    def _latents(self, x, device):
-        if isinstance(x, (list, tuple)):
-            mean, std = (t.to(device, non_blocking=True) for t in x)
-        elif self.encoders.vae is not None:
-            mean, std = wan_posterior(self.encoders.vae, x.to(device, non_blocking=True))
-        else:
-            return x.to(device, non_blocking=True)
-        return posterior_sample(mean, std)
-
-    def first_latent(self, batch, device) -> torch.Tensor:
-        """The i2v conditioning clip's latent [B, C, T', h, w]: cached, or encoded from each clip's first frame."""
-        if len(batch) == 5:
-            return batch[4].to(device).float()
-        clips = batch[0].to(device, non_blocking=True)
-        video = condition_video(clips[:, :, 0], clips.shape[2])
-        return video if self.encoders.vae is None else wan_posterior(self.encoders.vae, video)[0]
-
-    def prepare(self, batch, device, train: bool = True):
-        context = batch[3].to(device).float() if len(batch) >= 4 else self.encoders.encode(list(batch[2]), device)
-        cond = {}
-        if self.image:  # drawn before x: same on every SP rank, and no draw at all for text-to-video
-            conditioned = torch.rand(len(context)) < self.image_prob if train else \
-                torch.full((len(context),), self.image_prob > 0)
-            cond = {"y": i2v_inputs(self.first_latent(batch, device), conditioned)} if self.image == "i2v" else \
-                {"first": conditioned.to(device)}
-        x = self._latents(batch[0], device)
-        drop = (torch.rand(len(context)) < (self.dropout if train else 0.0)).to(device)  # same on SP ranks
-        context = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), context)
-        return x, {"context": context, **cond}
-
-    def sample_t(self, batch: int, device) -> torch.Tensor:
-        """Shifted training times [B]; an expert's are drawn until B fall in its t_range (the distribution's shape
-        kept within the range, as musubi-tuner's --preserve_distribution_shape)."""
-        low, high = self.t_range
-        t = shift_times(self.flow.sample_t(batch, device), self.shift)
-        if (low, high) == (0.0, 1.0):
-            return t
-        kept = t[(t >= low) & (t <= high)]
-        for _ in range(10_000):
-            if len(kept) >= batch:
-                return kept[:batch]
-            t = shift_times(self.flow.sample_t(batch, device), self.shift)
-            kept = torch.cat([kept, t[(t >= low) & (t <= high)]])
-        raise ValueError(f"training times in [{low}, {high}] almost never occur under --timestep_sampling and "
-                         f"--flow_shift {self.shift}; move --expert_boundary")
-
-    def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation, no shift)."""
-        t = self.sample_t(x.shape[0], x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
-        if "first" not in cond:  # text-to-video, or i2v (its condition rides in y)
-            return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"], y=cond.get("y")), x, t,
-                                    noise), t
-        if noise is None:
-            noise = randn(x.shape, None, x.device, x.dtype)
-        first = cond["first"]
-        x_t = with_first_frame(self.flow.noisy(x, t, noise), x[:, :, :1], first)
-        grid = tuple(s // p for s, p in zip(x.shape[2:], self.patch_size))
-        pred = model(x_t, ti2v_timesteps(t, first, grid) * 1000, cond["context"]).float()
-        weight = torch.ones_like(pred[:1, :1]).expand(len(x), 1, *pred.shape[2:]).clone()
-        weight[first, :, 0] = 0  # the given frame is no prediction
-        error = (pred - self.flow.target(x, noise)).pow(2) * weight
-        return error.flatten(1).sum(1) / (weight.flatten(1).sum(1) * pred.shape[1]), t
 
 
 def wan_forward_macs(model: nn.Module, video_tokens: int) -> int:
@@ -612,30 +515,6 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return {"empty_umt5": encoders.empty_embedding("cpu")}
 
 
-class Experts:
-    """The model(s) sampling runs: one, or a two-expert A14B model's high-noise expert (loaded.model) for t >=
-    the run's boundary and its low-noise one (loaded.companions["low_noise"]) below, each with its guidance scale
-    (--cfg_scale, --cfg_scale_low). On a GPU only the expert in use is on it; the idle one waits on the CPU."""
-
-    def __init__(self, loaded, sample_cfg, device):
-        self.high, self.low = loaded.model, loaded.companions.get("low_noise")
-        self.boundary, self.device = loaded.cfg.expert_boundary, torch.device(device)
-        self.scales = (sample_cfg.cfg_scale, sample_cfg.cfg_scale if self.low is None else sample_cfg.cfg_scale_low)
-        self.guided = max(self.scales) > 1.0
-
-    def at(self, t: float) -> tuple[nn.Module, float]:
-        """(model, guidance scale) at time t in [0, 1]."""
-        if self.low is None or t >= self.boundary:
-            model, other, scale = self.high, self.low, self.scales[0]
-        else:
-            model, other, scale = self.low, self.high, self.scales[1]
-        if next(model.parameters()).device != self.device:
-            if other is not None and next(other.parameters()).device.type != "cpu":
-                other.to("cpu")
-            model.to(self.device)
-        return model, scale
-
-
 def wan_folder(path: Path) -> tuple[str | None, dict]:
     """("diffusers", our config) for a diffusers Wan transformer folder or a pipeline folder holding transformer/;
     ("official", its config.json) for an official Wan2.1 folder (config.json + diffusion_pytorch_model*.safetensors);
@@ -646,16 +525,3 @@ def wan_folder(path: Path) -> tuple[str | None, dict]:
     if WAN_WEIGHTS.is_official_folder(path):
         return "official", read_config(path)
     return None, {}
-
-
-def expert_folders(path) -> dict | None:
-    """A two-expert Wan2.2 A14B folder -> {"high": folder, "low": folder, "boundary": float or None}: the official
-    layout (high_noise_model/, low_noise_model/) or a diffusers pipeline (transformer/ the high-noise expert,
-    transformer_2/ the low-noise one, boundary_ratio in model_index.json); None for anything else."""
-    p = Path(path)
-    if (p / "high_noise_model").is_dir() and (p / "low_noise_model").is_dir():
-        return {"high": p / "high_noise_model", "low": p / "low_noise_model", "boundary": None}
-    if (p / "transformer_2").is_dir() and (p / "model_index.json").is_file():
-        return {"high": p / "transformer", "low": p / "transformer_2",
-                "boundary": json.loads((p / "model_index.json").read_text()).get("boundary_ratio")}
-    return None
