@@ -132,8 +132,11 @@ def load_model(cfg, device) -> LoadedModel:
                                  given=set(settings))
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
-    model = _network(family, run, shape, path, weights, state, adapters, cfg, device).to(device)
-    companions = {}
+    model, companions = family.sampling_parts(_network(family, run, shape, path, weights, state, adapters, cfg,
+                                                       device))
+    model = model.to(device)  # companions stay on the CPU until used
+    if companions:
+        logger.info("%s holds the %s model too (kept on the CPU while idle)", weights, " and ".join(companions))
     for role, companion in family.companion_checkpoints(run, cfg, weights).items():  # kept on the CPU until used
         c_weights, _, c_state, c_adapters = _weights_and_adapters(Path(companion), name)
         companions[role] = _network(family, run, shape, companion, c_weights, c_state, c_adapters, cfg, device)

@@ -1,6 +1,7 @@
 """Wan2.2's two-expert A14B models: the release folders (official high_noise_model/ + low_noise_model/, diffusers
-transformer/ + transformer_2/ with boundary_ratio), one expert trained per run from its own folder, and sampling
-that switches experts at the boundary with a guidance scale each, the idle one off the device."""
+transformer/ + transformer_2/ with boundary_ratio), one expert trained per run from its own folder or both in one
+run (--expert both: each micro-batch one expert's, the same on every rank and on resume), and sampling that switches
+experts at the boundary with a guidance scale each, the idle one off the device."""
 import json
 import re
 import subprocess
@@ -12,9 +13,13 @@ import torch
 import torch.nn as nn
 
 from opendit import config as cfglib
+from opendit.checkpoint import read_dcp_weights
 from opendit.families.base import LoadedModel
+from opendit.families.wan.experts import ExpertPair
 from opendit.families.wan.family import Experts, WanFamily, expert_folders
 from opendit.families.wan.model import WAN22_CONFIGS, WanModel
+from opendit.families.wan.objective import WanEncoders
+from opendit.diffusion.flow import shift_times
 from tests.test_train import ROOT
 from tests.test_video_family import cli
 
@@ -62,6 +67,51 @@ def test_an_a14b_folder_trains_one_expert_per_run(tmp_path):
         WanFamily().fill_defaults(cfglib.TrainConfig(**base))
     cfg = WanFamily().fill_defaults(cfglib.TrainConfig(**base, expert="low"))
     assert cfg.init_weights == str(folder / "low_noise_model") and cfg.expert_boundary == 0.875
+    both = WanFamily().fill_defaults(cfglib.TrainConfig(**base, expert="both"))
+    assert both.init_weights == str(folder) and both.expert_boundary == 0.875
+    for flag in ("lora_rank", "blocks_to_swap"):
+        with pytest.raises(ValueError, match=f"--expert both with --{flag}: .*--expert high .*--expert low"):
+            WanFamily().fill_defaults(cfglib.TrainConfig(**base, expert="both", **{flag: 4}))
+
+
+def test_both_experts_train_one_per_micro_batch_as_often_as_their_share_of_the_times():
+    """Each micro-batch's expert comes from (seed, step, micro-batch) alone, as likely as a training time at or
+    above the boundary; its times all fall on its side, and only its parameters get gradients."""
+    cfg = WanFamily().fill_defaults(cfglib.TrainConfig(model=MODEL, umt5="none", vae="none", expert="both",
+                                                       expert_boundary=0.6))  # shift 1: the release's 0.9 is rare
+    objective = WanFamily().objective(cfg, WanEncoders(vae=None, text=None))
+    drawn = []
+    for step in range(1, 2001):
+        objective.begin_step(step)
+        drawn += [objective.next_expert(), objective.next_expert()]  # two micro-batches
+    objective.begin_step(7)
+    assert [objective.next_expert(), objective.next_expert()] == drawn[12:14]  # a resumed step draws the same
+    torch.manual_seed(0)
+    share = float((shift_times(objective.flow.sample_t(100_000), cfg.flow_shift) >= 0.6).float().mean())
+    assert abs(drawn.count("high") / len(drawn) - share) < 0.02 and 0.2 < share < 0.5
+
+    torch.manual_seed(0)
+    pair = WanFamily().build_model(cfg, (16, 3, 8, 8))
+    assert isinstance(pair, ExpertPair) and pair.boundary == 0.6
+    x, cond = torch.randn(2, 16, 3, 8, 8), {"context": torch.randn(2, pair.text_len, pair.text_dim),
+                                            "y": torch.randn(2, 20, 3, 8, 8)}
+    for step in (1, 2, 3, 4):  # both experts among these steps' draws
+        objective.begin_step(step)
+        expert = drawn[2 * (step - 1)]
+        pair.zero_grad(set_to_none=True)
+        losses, t = objective.losses(pair, x, cond)
+        losses.mean().backward()
+        assert bool((t >= 0.6).all()) if expert == "high" else bool((t < 0.6).all())
+        idle = pair.low if expert == "high" else pair.high
+        assert all(p.grad is None for p in idle.parameters())
+        assert all(p.grad is not None for p in getattr(pair, expert).parameters())
+    assert {"high", "low"} <= set(drawn[:8:2])
+    pair.eval()  # validation: each sample from its own expert
+    t = torch.tensor([950.0, 100.0])
+    with torch.no_grad():
+        out = pair(x, t, cond["context"], y=cond["y"])
+        assert torch.equal(out[0], pair.high(x, t, cond["context"], y=cond["y"])[0])
+        assert torch.equal(out[1], pair.low(x, t, cond["context"], y=cond["y"])[1])
 
 
 class Stub(nn.Module):
@@ -126,7 +176,7 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
         return np.load(tmp_path / name / "samples.npz")["arr_0"], out.stderr
 
     both, log = sample("both", "--ckpt", folder)
-    assert "low_noise_model as the low_noise model" in log
+    assert "holds the low_noise model too" in log
     named, _ = sample("named", "--ckpt", folder / "high_noise_model")  # its sibling is the low-noise expert
     high_only, _ = sample("high", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt",
                           folder / "high_noise_model")
@@ -138,6 +188,18 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     out = subprocess.run([sys.executable, "sample.py", *map(str, common), "--ckpt", str(folder / "low_noise_model"),
                           "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "--low_noise_ckpt the low-noise one's" in out.stderr.splitlines()[-1]
+
+    # --expert both from the folder: its one step trained one expert and left the other as the folder has it
+    cli("train.py", "--model", MODEL, "--init_weights", folder, "--expert", "both", "--umt5", umt5, "--vae", vae,
+        "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--batch_size", "2", "--max_steps",
+        "1", "--lr", "0.05", "--ema_decay", "0", "--num_workers", "0", "--outputs", tmp_path / "both")
+    step = next((tmp_path / "both").glob("*/checkpoints/step-000001"))
+    trained = read_dcp_weights(str(step), "model")
+    kept = [side for side, seed in (("high", 1), ("low", 2)) if all(
+        torch.equal(trained[f"{side}.{k}"], v) for k, v in expert_state(seed).items())]
+    assert len(kept) == 1
+    pair, _ = sample("pair", "--ckpt", step)  # both experts from the run's one checkpoint
+    assert pair.shape == both.shape and not np.array_equal(pair, both)
 
 
 def test_a_diffusers_a14b_pipeline_loads_both_experts_and_its_boundary(tmp_path):
@@ -168,3 +230,18 @@ def test_a_diffusers_a14b_pipeline_loads_both_experts_and_its_boundary(tmp_path)
     for model, state in ((loaded.model, states["transformer"]), (loaded.companions["low_noise"],
                                                                    states["transformer_2"])):
         assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_the_memory_planner_counts_both_experts_weights_and_one_experts_activations():
+    from opendit.plan.measure import model_facts
+
+    facts = {}
+    for expert in ("high", "both"):
+        cfg = WanFamily().fill_defaults(cfglib.TrainConfig(model=MODEL, umt5="none", vae="none", expert=expert,
+                                                           image_size=16, num_frames=3))
+        shape = WanFamily().memory_probe(cfg, torch.device("meta")).latent_shape
+        facts[expert] = model_facts(WanFamily(), cfg, shape, torch.float32)
+    one, both = facts["high"], facts["both"]
+    assert both.trainable == 2 * one.trainable and both.blocks == one.blocks * 2
+    assert both.root_acts == one.root_acts and both.acts[:len(one.acts)] == one.acts
+    assert all(a.kept == a.inputs == 0 for a in both.acts[len(one.acts):])  # the idle expert saves nothing

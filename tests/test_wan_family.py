@@ -63,9 +63,12 @@ def test_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path, umt5):
 
 
 @pytest.mark.parametrize("kw", [{}, dict(model="Wan2.2-debug", i2v_prob=0.5),
-                                dict(model="Wan2.2-I2V-debug", expert="high")], ids=["t2v", "ti2v", "i2v-expert"])
+                                dict(model="Wan2.2-I2V-debug", expert="high"),
+                                dict(model="Wan2.2-I2V-debug", expert="both", expert_boundary=0.6)],
+                         ids=["t2v", "ti2v", "i2v-expert", "i2v-both-experts"])
 def test_resumed_losses_equal_uninterrupted(tmp_path, umt5, kw):
-    """Wan2.1, and Wan2.2's image-to-video draws (which clips take their first frame) and one expert's times."""
+    """Wan2.1, and Wan2.2's image-to-video draws (which clips take their first frame), one expert's times, and which
+    expert each step of a run of both trains."""
     _, full = run_trainer(wan_cfg(tmp_path / "a", umt5, max_steps=4, ckpt_every=2, **kw))
     run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=2, ckpt_every=2, **kw))
     _, resumed = run_trainer(wan_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest", **kw))
@@ -196,6 +199,20 @@ def test_two_process_runs_equal_ddp(tmp_path, umt5, plain_losses, flags):
     ref = plain_losses(1 if flags[0] == "--sequence_parallel_size" else 2)
     cli("train.py", *_cli_common(umt5), *flags, "--outputs", tmp_path / "run", nproc=2)
     np.testing.assert_allclose(losses_of(tmp_path / "run" / RUN), ref, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_both_experts_train_alike_under_the_plugins_and_sequence_parallel(tmp_path, umt5):
+    """--expert both at 2 ranks: FSDP (one expert gathered per micro-batch, the other's gradients None) as DDP
+    (unused parameters expected), and sequence parallelism as one process."""
+    both = [*_cli_common(umt5), "--model", "Wan2.2-I2V-debug", "--expert", "both", "--expert_boundary", "0.6"]
+    losses = {}
+    for name, flags, nproc in (("ddp", [], 2), ("fsdp", ["--plugin", "fsdp"], 2), ("one", [], 1),
+                               ("sp2", ["--sequence_parallel_size", "2"], 2)):
+        cli("train.py", *both, *flags, "--outputs", tmp_path / name, nproc=nproc)
+        losses[name] = losses_of(tmp_path / name / "000-Wan2.2-I2V-debug")
+    np.testing.assert_allclose(losses["fsdp"], losses["ddp"], rtol=1e-4)
+    np.testing.assert_allclose(losses["sp2"], losses["one"], rtol=1e-4)
 
 
 @pytest.mark.slow

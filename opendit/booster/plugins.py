@@ -134,8 +134,10 @@ class DDPPlugin(Plugin):
         model.to(self.device)  # in place: the Parameter objects (and the optimizer's references) survive
         # the whole world is one replica group: dp_shard is 1, and SP ranks average their chunk gradients too
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # gradients live in DDP's communication buckets instead of beside them: one copy, not two
-        return DDP(model, device_ids=device_ids, process_group=None, gradient_as_bucket_view=True)
+        # gradients live in DDP's communication buckets instead of beside them: one copy, not two; a model that
+        # declares `partly_used` (a step trains part of it) leaves the others' gradients None
+        return DDP(model, device_ids=device_ids, process_group=None, gradient_as_bucket_view=True,
+                   find_unused_parameters=getattr(model, "partly_used", False))
 
     def autocast(self):
         if self.mixed_precision == "fp32" or self.params_in_compute_dtype:

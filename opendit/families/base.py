@@ -164,7 +164,8 @@ class Objective(Protocol):
     """What one training micro-batch costs. prepare: a loader batch -> (model input x [B, ...], cond: dict of
     model keyword tensors, each [B, ...]; train=False: no condition dropout). losses: per-sample losses [B] in
     fp32 and each sample's noise level in [0, 1] [B], with noise level and noise drawn from the global RNG, or
-    given (the validation loss's fixed ones)."""
+    given (the validation loss's fixed ones). Optional begin_step(step): the Trainer calls it before each
+    training step's micro-batches (Wan's two experts draw a micro-batch's expert from the step)."""
 
     def prepare(self, batch, device: torch.device, train: bool = True) -> tuple[torch.Tensor, dict]: ...
 
@@ -346,6 +347,11 @@ class ModelFamily:
         was loaded at, or the size sample_cfg asks for (--height / --width, video --num_frames); a ValueError
         naming the flag for a size the model cannot take."""
         return loaded.latent_shape
+
+    def sampling_parts(self, model: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+        """A loaded checkpoint's model -> (the model sampling starts with, {role: companion}) (Wan2.2: both experts
+        of one checkpoint -> the high-noise one and its "low_noise" companion). Default: the model alone."""
+        return model, {}
 
     def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
         """Other models sampling needs beside --ckpt's, role -> checkpoint (Wan2.2 A14B: its low-noise expert):

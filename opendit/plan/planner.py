@@ -121,15 +121,16 @@ def totals(parts: dict, on_cpu: bool) -> tuple[float, float]:
 def choose(run, budget: tuple[float, float], validate, on_cpu: bool = False) -> Choice:
     """The fastest valid plan within budget (device bytes, host bytes). validate(options) raises ValueError for an
     invalid plan. No fit: a ValueError naming the smallest budget that would fit."""
-    valid, smallest, best = {}, None, None
+    valid, smallest, best, refusals = {}, None, None, []
 
     def ok(o):
         if o not in valid:
             try:
                 validate(o)
                 valid[o] = True
-            except ValueError:
+            except ValueError as e:
                 valid[o] = False
+                refusals.append(e)
         return valid[o]
 
     for seconds, o, _ in candidates(run):
@@ -146,6 +147,8 @@ def choose(run, budget: tuple[float, float], validate, on_cpu: bool = False) -> 
             smallest = (max(gpu / budget[0] if budget[0] else 0, host / budget[1]), o, gpu, host)
     if best is not None:
         return best
+    if smallest is None:  # the run itself is invalid, whatever the planner chooses
+        raise refusals[0]
     _, o, gpu, host = smallest
     where = f"{host / 2**30:.1f} GiB of memory" if on_cpu else \
         f"{gpu / 2**30:.1f} GiB of device memory and {host / 2**30:.1f} GiB of host memory"

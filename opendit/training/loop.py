@@ -341,6 +341,8 @@ class Trainer:
         nothing computed it); skipped: the step was not finite on some rank and changed nothing."""
         cfg, booster, guard = self.cfg, self.booster, self.guard
         x, cond = self.objective.prepare(batch, self.dist.device)
+        if hasattr(self.objective, "begin_step"):
+            self.objective.begin_step(self.step + 1)
         total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         terms = []  # (per-sample losses, t) of each micro-batch, for the loss by noise level
         for i, (xm, cm) in enumerate(micro_batches(x, cond, cfg.grad_accum)):

@@ -179,16 +179,16 @@ class Previewer:
         with kept_rng(self.device):
             if self._sampling_encoders is None:
                 self._sampling_encoders = self.family.sampling_encoders(self.cfg, self.encoders, self.device)
-            model = self._model(weights)
-            attach_step_cache(model, self.sample_cfg)  # a fresh model: the cache starts empty
+            model, companions = self.family.sampling_parts(self._model(weights))
+            attach_step_cache(model, self.sample_cfg, companions)  # a fresh model: the cache starts empty
             try:
                 loaded = LoadedModel(self.family, model, self._sampling_encoders, self.cfg, self.latent_shape,
-                                     "preview")
+                                     "preview", companions=companions)
                 sampler = self.family.make_sampler(self.sample_cfg, self.cfg)
                 return self.family.sample_batch(loaded, sampler, range(self.num_samples), self.conditions,
                                                 self.sample_cfg, self.device)
             finally:
-                del model
+                del model, companions
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 

@@ -1,9 +1,12 @@
-"""Wan2.2's two-expert A14B releases: their folders, and which expert samples at which time."""
+"""Wan2.2's two-expert A14B releases: their folders, both experts as one trained module (--expert both), and which
+expert samples at which time."""
 import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from opendit.families.wan.model import WanModel
 
 
 def expert_folders(path) -> dict | None:
@@ -17,6 +20,56 @@ def expert_folders(path) -> dict | None:
         return {"high": p / "transformer", "low": p / "transformer_2",
                 "boundary": json.loads((p / "model_index.json").read_text()).get("boundary_ratio")}
     return None
+
+
+class ExpertPair(nn.Module):
+    """Both experts of a two-expert model as one module (--expert both): state keys `high.` and `low.` + the
+    expert's. A batch runs the expert whose share of the schedule its times fall in (t in 0..1000, high: t >=
+    boundary x 1000): training draws each micro-batch's times on one side and names its expert (WanFlowObjective),
+    the same on every rank, so sharded plugins gather one expert per micro-batch and the other's parameters get no
+    gradient."""
+
+    _block_lists = ("high_blocks", "low_blocks")
+    parallel_plan = WanModel.parallel_plan
+    partly_used = True  # a step trains one expert: DDP must expect unused parameters
+
+    def __init__(self, high: WanModel, low: WanModel, boundary: float):
+        super().__init__()
+        self.high, self.low, self.boundary = high, low, boundary
+        self.num_heads, self.model_type = high.num_heads, high.model_type
+        self.patch_size, self.text_len, self.text_dim, self.in_dim = high.patch_size, high.text_len, high.text_dim, \
+            high.in_dim
+
+    @property
+    def high_blocks(self) -> nn.ModuleList:
+        return self.high.blocks
+
+    @property
+    def low_blocks(self) -> nn.ModuleList:
+        return self.low.blocks
+
+    def __setattr__(self, name, value):
+        if name in self._block_lists:  # an expert's blocks, not a module of the pair's own (nn.Module would add one)
+            (self.high if name == "high_blocks" else self.low).blocks = value
+        else:
+            super().__setattr__(name, value)
+
+    @property
+    def sequence_parallel(self):
+        return self.high.sequence_parallel
+
+    @sequence_parallel.setter
+    def sequence_parallel(self, sp) -> None:  # enable_sequence_parallel sets the model's hook: both experts'
+        self.high.sequence_parallel = self.low.sequence_parallel = sp
+
+    def forward(self, x, t, *args, expert: str | None = None, **kwargs):
+        """expert "high" or "low": that expert's forward (a training micro-batch); None: each sample's own, both
+        experts run (validation: every rank runs both, as a sharded expert is gathered collectively)."""
+        if expert is not None:
+            return (self.high if expert == "high" else self.low)(x, t, *args, **kwargs)
+        out_high, out_low = self.high(x, t, *args, **kwargs), self.low(x, t, *args, **kwargs)
+        high = t.reshape(len(t), -1)[:, 0] >= self.boundary * 1000
+        return torch.where(high.reshape(-1, *[1] * (out_high.ndim - 1)), out_high, out_low)
 
 
 class Experts:

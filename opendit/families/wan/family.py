@@ -32,7 +32,7 @@ from opendit.checkpoint.folders import read_config
 from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.wan.experts import Experts, expert_folders
+from opendit.families.wan.experts import ExpertPair, Experts, expert_folders
 from opendit.families.wan.first_frame import (condition_kind, condition_video, first_frame_paths, i2v_inputs,
                                               load_first_frame, ti2v_timesteps, with_first_frame)
 from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
@@ -60,7 +60,7 @@ WAN_CONSTANTS = {"Wan2.1-T2V-1.3B": _WAN21, "Wan2.1-T2V-14B": _WAN21, "Wan-debug
 WAN_MODELS = {name: ModelSpec(name, "wan", WanModel, arch, WAN_CONSTANTS[name])
               for name, arch in {**WAN_CONFIGS, **WAN22_CONFIGS}.items() if name in WAN_CONSTANTS}
 I2V_PROB = {"i2v": 1.0, "ti2v": 0.2}  # TI2V: the share the official training helper (utils.masks_like) conditions
-EXPERTS = ("none", "high", "low")
+EXPERTS = ("none", "high", "low", "both")
 UMT5_HELP = "a local UMT5 encoder folder (UMT5EncoderModel + tokenizer, or a Wan diffusers folder with text_encoder/)"
 SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); default: the model's (Wan2.1 5)"
 SAMPLERS = ("unipc", "euler")
@@ -78,7 +78,8 @@ class WanTrainOptions(ClipTrainOptions):
                                        "frame (Wan2.2 TI2V and I2V models); default: I2V 1, TI2V 0.2 (the official "
                                        "training helper's)", check="prob")
     expert: str = opt("none", "a two-expert Wan2.2 A14B model: train its high-noise expert (t >= the boundary) or its "
-                              "low-noise one (t below it) from that expert's weights", EXPERTS)
+                              "low-noise one (t below it) from that expert's weights, or both in one run (each "
+                              "micro-batch one expert's, as likely as its share of the training times)", EXPERTS)
     expert_boundary: float | None = opt(None, "the t that splits the experts; default: the release's (T2V 0.875, I2V "
                                               "0.9)", check="prob")
 
@@ -188,13 +189,19 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if cfg.expert != "none" and boundary is None:
             raise ValueError(f"--expert {cfg.expert}: {cfg.model} is one model, not two experts; the two-expert models "
                              f"are {', '.join(n for n, s in self.models.items() if 'boundary' in s.constants)}")
+        if cfg.expert == "both" and (cfg.lora_rank or cfg.blocks_to_swap):
+            raise ValueError(f"--expert both with --{'lora_rank' if cfg.lora_rank else 'blocks_to_swap'}: it trains "
+                             f"one expert per run; train the high-noise expert with --expert high and the low-noise "
+                             f"one with --expert low")
         init_weights, two = cfg.init_weights, expert_folders(cfg.init_weights) if cfg.init_weights else None
-        if two is not None:  # one expert per run, from its own folder
+        if two is not None:
             if cfg.expert == "none":
                 raise ValueError(f"--init_weights {cfg.init_weights} holds two experts ({two['high'].name}/ for high "
                                  f"noise, {two['low'].name}/ for low): train one per run with --expert high or "
-                                 f"--expert low")
-            init_weights, boundary = str(two[cfg.expert]), two["boundary"] or boundary
+                                 f"--expert low, or both in one run with --expert both")
+            boundary = two["boundary"] or boundary
+            if cfg.expert != "both":  # one expert, from its own folder
+                init_weights = str(two[cfg.expert])
         return dataclasses.replace(cfg, num_classes=0, init_weights=init_weights,
                                    flow_shift=cfg.flow_shift or self.constant(cfg.model, "flow_shift"),
                                    i2v_prob=I2V_PROB.get(kind, 0.0) if cfg.i2v_prob is None else cfg.i2v_prob,
@@ -274,15 +281,26 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return tuple(shape)
 
     def build_model(self, cfg, latent_shape):
+        return self._model(cfg, latent_shape, umt5_encoder_dim(cfg.umt5))
+
+    def _model(self, cfg, latent_shape, text_dim: int | None = None):
+        """The run's model (--expert both: an ExpertPair of two) for latents of latent_shape; text_dim: its UMT5's
+        (None: the architecture's, UMT5-XXL's)."""
         channels = latent_shape[0]
-        model = self.models[cfg.model].build(in_dim=self.input_channels(cfg.model, channels), out_dim=channels,
-                                             text_dim=umt5_encoder_dim(cfg.umt5))
+        text = {} if text_dim is None else {"text_dim": text_dim}
+
+        def expert():
+            return self.models[cfg.model].build(in_dim=self.input_channels(cfg.model, channels), out_dim=channels,
+                                                **text)
+        model = ExpertPair(expert(), expert(), cfg.expert_boundary) if cfg.expert == "both" else expert()
         pt, ph, pw = model.patch_size
         model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)  # for FLOPs
         return model
 
     def train_flops_per_sample(self, model) -> float:
-        return 3 * 2 * float(wan_forward_macs(model, model.num_tokens))
+        """One expert's FLOPs (both experts in a run: each micro-batch runs one)."""
+        expert = model.high if isinstance(model, ExpertPair) else model
+        return 3 * 2 * float(wan_forward_macs(expert, model.num_tokens))
 
     def memory_probe(self, cfg, device) -> MemoryProbe:
         """The model's VAE geometry (Wan2.1's: 16 channels, 4x in time, 8x in space; Wan2.2's: 48, 4x, 16x), the
@@ -298,11 +316,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
 
     def memory_model(self, cfg, latent_shape):
         """build_model's model with UMT5-XXL's 4096-wide tokens (the architecture's text_dim)."""
-        model = self.models[cfg.model].build(in_dim=self.input_channels(cfg.model, latent_shape[0]),
-                                             out_dim=latent_shape[0])
-        pt, ph, pw = model.patch_size
-        model.num_tokens = latent_shape[1] // pt * (latent_shape[2] // ph) * (latent_shape[3] // pw)
-        return model
+        return self._model(cfg, latent_shape)
 
     def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
         """x [B, C, F, H, W], t [B] in 0..1000 and UMT5 tokens [B, text_len, text_dim] (i2v: y, its mask and
@@ -311,6 +325,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
                       context=torch.randn(batch, model.text_len, model.text_dim, device=device))
         if model.model_type == "i2v":
             inputs["y"] = torch.randn(batch, model.in_dim - latent_shape[0], *latent_shape[1:], device=device)
+        if isinstance(model, ExpertPair):  # a training micro-batch runs one expert
+            inputs["expert"] = "high"
         return inputs
 
     def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
@@ -318,12 +334,16 @@ class WanFamily(ClipFamily, LatentImageFamily):
         t_range = {"high": (boundary, 1.0), "low": (0.0, boundary)}.get(cfg.expert, (0.0, 1.0))
         return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob,
                                 image=self.image_condition(cfg.model), image_prob=cfg.i2v_prob,
-                                patch_size=self.models[cfg.model].arch["patch_size"], t_range=t_range)
+                                patch_size=self.models[cfg.model].arch["patch_size"], t_range=t_range,
+                                boundary=boundary if cfg.expert == "both" else None, seed=cfg.global_seed)
 
     def load_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """A two-expert A14B folder: its high-noise expert's (sample.py's --ckpt; the low one is a companion)."""
+        """A two-expert A14B folder: both experts', as an ExpertPair's (keys high.* and low.*)."""
         two = expert_folders(path)
-        return super().load_weights(str(two["high"]) if two else path)
+        load = super().load_weights
+        if two is None:
+            return load(path)
+        return {f"{side}.{k}": v for side in ("high", "low") for k, v in load(str(two[side])).items()}
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def recognize_checkpoint(self, path: str):
@@ -340,29 +360,38 @@ class WanFamily(ClipFamily, LatentImageFamily):
         name = next((n for n in fits if ("boundary" in WAN_MODELS[n].constants) == (two is not None)),
                     fits[0] if fits else None)
         settings = dict(dataset="video_csv", image_size=480, num_frames=81, num_classes=0)
-        if two is not None and two["boundary"]:
-            settings["expert_boundary"] = two["boundary"]
+        if two is not None:  # both experts, as --expert both trains them
+            settings["expert"] = "both"
+            if two["boundary"]:
+                settings["expert_boundary"] = two["boundary"]
         if (p / "vae").is_dir():
             settings["vae"] = str(p / "vae")
         if (p / "text_encoder").is_dir():
             settings["umt5"] = str(p)
         return ({**settings, "model": name} if name else settings), None
 
+    def sampling_parts(self, model):
+        """Both experts of one checkpoint (an A14B folder, an --expert both run): the high-noise one samples first,
+        the low-noise one is its companion."""
+        return (model.high, {"low_noise": model.low}) if isinstance(model, ExpertPair) else (model, {})
+
     def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
-        """A two-expert model's low-noise expert: --low_noise_ckpt, else the A14B folder's (--ckpt the folder or its
-        high-noise expert's). None for a run trained on the whole schedule (one model samples all of it)."""
+        """A two-expert model's low-noise expert when --ckpt holds one expert: --low_noise_ckpt, else the high-noise
+        expert's sibling folder in an A14B folder. None for a run trained on the whole schedule (one model samples
+        all of it) or a checkpoint of both (sampling_parts)."""
         if "boundary" not in self.models[cfg.model].constants:
             if sample_cfg.low_noise_ckpt:
                 raise ValueError(f"--low_noise_ckpt: {cfg.model} is one model, not two experts")
             return {}
+        if cfg.expert == "both" and sample_cfg.low_noise_ckpt:
+            raise ValueError(f"--low_noise_ckpt: --ckpt {weights} holds both experts; for another low-noise expert "
+                             f"pass --ckpt the high-noise one's folder (an A14B folder's high_noise_model/)")
         if sample_cfg.low_noise_ckpt:
             return {"low_noise": sample_cfg.low_noise_ckpt}
-        two, beside = expert_folders(weights), expert_folders(Path(weights).parent)
-        if two is not None:
-            return {"low_noise": str(two["low"])}
+        beside = expert_folders(Path(weights).parent)
         if beside is not None and Path(weights) == beside["high"]:
             return {"low_noise": str(beside["low"])}
-        if beside is None and cfg.expert == "none":
+        if cfg.expert == "both" or (beside is None and cfg.expert == "none"):
             return {}
         raise ValueError(f"{cfg.model} samples with two experts and --ckpt {weights} is one of them: --ckpt the "
                          f"high-noise expert's checkpoint (or the A14B folder) and --low_noise_ckpt the low-noise "

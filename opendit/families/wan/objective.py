@@ -10,6 +10,7 @@ from opendit.diffusion.sampling import randn
 from opendit.encoders.vae import posterior_sample
 from opendit.families.wan.first_frame import condition_video, i2v_inputs, ti2v_timesteps, with_first_frame
 from opendit.families.wan.vae import wan_posterior
+from opendit.seeding import mix_seed
 
 
 @dataclass
@@ -39,13 +40,31 @@ class WanFlowObjective:
     a cache trains as encoding on the fly does.
 
     Image-to-video (image "i2v" or "ti2v", first_frame.py): a share image_prob of the clips (all in validation when
-    it is above 0) is conditioned on its own first frame; ti2v's loss leaves out the given first latent frame."""
+    it is above 0) is conditioned on its own first frame; ti2v's loss leaves out the given first latent frame.
+
+    Both experts of a two-expert model in training (boundary given, the model an ExpertPair): each micro-batch is
+    one expert's (next_expert), its times drawn on that expert's side of the boundary."""
 
     def __init__(self, encoders: WanEncoders, shift: float, timestep_sampling: str, dropout: float,
-                 image: str | None = None, image_prob: float = 0.0, patch_size=(1, 2, 2), t_range=(0.0, 1.0)):
+                 image: str | None = None, image_prob: float = 0.0, patch_size=(1, 2, 2), t_range=(0.0, 1.0),
+                 boundary: float | None = None, seed: int = 0):
         self.encoders, self.shift, self.dropout = encoders, shift, dropout
         self.image, self.image_prob, self.patch_size, self.t_range = image, image_prob, patch_size, tuple(t_range)
         self.flow = RectifiedFlow(timestep_sampling, shift=False)
+        self.boundary, self.seed, self.step, self.micro = boundary, seed, 0, 0
+
+    def begin_step(self, step: int) -> None:
+        """The Trainer starts training step `step` (its micro-batches follow)."""
+        self.step, self.micro = step, 0
+
+    def next_expert(self) -> str:
+        """With both experts: the next training micro-batch's, "high" or "low", as likely as a training time on its
+        side of the boundary; drawn from (seed, step, micro-batch) alone, so every rank (a sharded plugin gathers
+        one expert) and a resumed run draw the same."""
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.step, self.micro))
+        self.micro += 1
+        t = shift_times(self.flow.sample_t(1, generator=generator), self.shift)
+        return "high" if float(t) >= self.boundary else "low"
 
     def _latents(self, x, device):
         if isinstance(x, (list, tuple)):
@@ -77,10 +96,11 @@ class WanFlowObjective:
         context = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), context)
         return x, {"context": context, **cond}
 
-    def sample_t(self, batch: int, device) -> torch.Tensor:
-        """Shifted training times [B]; an expert's are drawn until B fall in its t_range (the distribution's shape
-        kept within the range, as musubi-tuner's --preserve_distribution_shape)."""
-        low, high = self.t_range
+    def sample_t(self, batch: int, device, t_range=None) -> torch.Tensor:
+        """Shifted training times [B]; an expert's are drawn until B fall in its t_range (default: the
+        objective's; the distribution's shape kept within the range, as musubi-tuner's
+        --preserve_distribution_shape)."""
+        low, high = t_range or self.t_range
         kept = []
         for _ in range(10_000):
             t = shift_times(self.flow.sample_t(batch, device), self.shift)
@@ -94,16 +114,24 @@ class WanFlowObjective:
 
     def losses(self, model, x, cond: dict, t_frac=None, noise=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-sample loss [B] fp32, t [B]); t_frac / noise given: used as they are (validation, no shift)."""
-        t = self.sample_t(x.shape[0], x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
+        route = {}  # both experts: the micro-batch's
+        if t_frac is not None:
+            t = t_frac.to(x.device, torch.float32)
+        elif self.boundary is None:
+            t = self.sample_t(x.shape[0], x.device)
+        else:
+            route["expert"] = self.next_expert()
+            side = (self.boundary, 1.0) if route["expert"] == "high" else (0.0, self.boundary)
+            t = self.sample_t(x.shape[0], x.device, side)
         if "first" not in cond:  # text-to-video, or i2v (its condition rides in y)
-            return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"], y=cond.get("y")), x, t,
-                                    noise), t
+            return self.flow.losses(lambda x_t, t: model(x_t, t * 1000, cond["context"], y=cond.get("y"), **route),
+                                    x, t, noise), t
         if noise is None:
             noise = randn(x.shape, None, x.device, x.dtype)
         first = cond["first"]
         x_t = with_first_frame(self.flow.noisy(x, t, noise), x[:, :, :1], first)
         grid = tuple(s // p for s, p in zip(x.shape[2:], self.patch_size))
-        pred = model(x_t, ti2v_timesteps(t, first, grid) * 1000, cond["context"]).float()
+        pred = model(x_t, ti2v_timesteps(t, first, grid) * 1000, cond["context"], **route).float()
         weight = torch.ones_like(pred[:1, :1]).expand(len(x), 1, *pred.shape[2:]).clone()
         weight[first, :, 0] = 0  # the given frame is no prediction
         error = (pred - self.flow.target(x, noise)).pow(2) * weight
