@@ -76,6 +76,8 @@ class DiffusionModel(Protocol):
       methods its forward implements, the attention layers that get the hook, what is split and what stays
       whole. opendit.parallel.enable_sequence_parallel applies it; the forward reads `self.sequence_parallel`
       (None, or the hook) to split and gather around its blocks, and every rank returns the whole output.
+    partly_used (optional, True): a step trains only part of the model (Wan2.2's two experts in one run); DDP then
+      expects parameters without gradients.
     Kernel switches are declared by the layers (`kernel_switches`, see opendit.kernels.set_kernels); a model
     built from opendit's layers has them.
 
