@@ -1,10 +1,12 @@
-"""Step caches' speed against quality on the three CPU demos (DiT digits, FLUX captioned digits, the Latte moving
-digits): every demo's samples drawn from THE SAME noise (--seed, the same labels or prompts) with `--cache none` and
-each cache that applies, in one process, beside the quality benchmarks' independent classifiers.
+"""Step caches' speed against quality on the CPU demos (DiT digits, FLUX captioned digits, the Latte moving digits,
+Wan2.2 image-to-video on the moving digits): every demo's samples drawn from THE SAME noise (--seed, the same labels,
+prompts or first frames) with `--cache none` and each cache that applies, in one process, beside the quality
+benchmarks' independent classifiers.
 
     python benchmarks/sample_accel.py --digits_ckpt outputs/digits_quality/000-DiT-Ti-4/checkpoints/step-001000 \\
         --flux_ckpt outputs/flux_quality/000-flux-debug/checkpoints/step-002000 \\
-        --video_ckpt outputs/video_quality/000-Latte-Ti-4/checkpoints/step-001500     # the measured table
+        --video_ckpt outputs/video_quality/000-Latte-Ti-4/checkpoints/step-001500 \
+        --wan_i2v_ckpt outputs/video_quality/000-Wan2.2-I2V-debug/checkpoints/step-005000   # the measured table
     python benchmarks/sample_accel.py                      # no checkpoints: trains each demo's recipe first
     python benchmarks/sample_accel.py --demos digits --train_steps 3 --train_batch_size 8 --samples_per_class 1 \\
         --sampling_steps 4 --rows none teacache:0.1        # smoke run
@@ -50,11 +52,12 @@ THRESHOLD_SCALES = (0.5, 1.0, 2.0)  # of the family's default: around it, both w
 @dataclass(frozen=True)
 class Demo:
     """recipe(outputs): the TrainConfig fields of the demo's training recipe; sample: the SampleConfig fields its
-    quality benchmark samples with; conditions: sample i's is conditions[i % 10] (digit i % 10);
+    quality benchmark samples with; conditions: sample i's is conditions[i % 10] (digit i % 10), or None for
+    image-to-video (sample i: held-out clip i's first frame and caption, its digit the image's);
     classifier(run config) -> accuracy(uint8 samples, wanted digits)."""
     recipe: Callable[[Path], dict]
     sample: dict
-    conditions: list
+    conditions: list | None
     classifier: Callable
     pab: bool = False
 
@@ -65,16 +68,26 @@ def digit_accuracy(run):
     return lambda images, wanted: float((clf.predict(images.reshape(len(images), -1) / 127.5 - 1.0) == wanted).mean())
 
 
-def frame_accuracy(run):
-    recipe = video_quality.RECIPES["moving_digits"]
-    clf, _ = video_quality.train_classifier(run.image_size, run.num_frames, recipe["centre"], **recipe["data"])
-    border = recipe["data"].get("border", False)
+def frame_accuracy(recipe_name: str):
+    """run -> accuracy(clips, wanted) by the classifier of video_quality.py's recipe (per frame)."""
+    recipe = video_quality.RECIPES[recipe_name]
 
-    def accuracy(clips, wanted):
-        grey = video_quality.interior(clips[..., 0] / 255.0, border)  # [n, T, S', S'] in [0, 1]
-        return float((clf.predict(grey.reshape(grey.shape[0] * grey.shape[1], -1) * 2 - 1)
-                      == np.repeat(wanted, grey.shape[1])).mean())
-    return accuracy
+    def for_run(run):
+        clf, _ = video_quality.train_classifier(run.image_size, run.num_frames, recipe["centre"], **recipe["data"])
+        border = recipe["data"].get("border", False)
+
+        def accuracy(clips, wanted):
+            grey = video_quality.interior(clips[..., 0] / 255.0, border)  # [n, T, S', S'] in [0, 1]
+            return float((clf.predict(grey.reshape(grey.shape[0] * grey.shape[1], -1) * 2 - 1)
+                          == np.repeat(wanted, grey.shape[1])).mean())
+        return accuracy
+    return for_run
+
+
+def wan_i2v_recipe(outputs: Path) -> dict:
+    recipe = video_quality.RECIPES["wan22_i2v_digits"]
+    return dict(recipe["train"], dataset="moving_digits", vae="none", umt5=video_quality.tiny_umt5(str(outputs)),
+                frame_interval=recipe["data"]["frame_interval"])
 
 
 def flux_recipe(outputs: Path) -> dict:
@@ -91,8 +104,19 @@ DEMOS = {
     # IDDPM and DDPM sampling: what the table in benchmarks/README.md and Latte's default thresholds came from
     "video": Demo(lambda _: dict(video_quality.RECIPES["moving_digits"]["train"], dataset="moving_digits", vae="none",
                                  objective="diffusion"),
-                  dict(cfg_scale=12.0, num_sampling_steps=100), list(range(10)), frame_accuracy, pab=True),
+                  dict(cfg_scale=12.0, num_sampling_steps=100), list(range(10)), frame_accuracy("moving_digits"),
+                  pab=True),
+    "wan_i2v": Demo(wan_i2v_recipe, {}, None, frame_accuracy("wan22_i2v_digits")),  # Wan's sampling defaults
 }
+
+
+def first_frame_conditions(run, n: int, folder: Path) -> tuple[list[str], np.ndarray]:
+    """The image-to-video demo's prompts and wanted digits, its first frames written to folder (video_quality.py's
+    held-out clips)."""
+    data = video_quality.RECIPES["wan22_i2v_digits"]["data"]
+    real = video_quality.MovingDigitsDataset(run.image_size, run.num_frames, split="held_out", seed=3, **data)
+    prompts, digits, _ = video_quality.first_frame_prompts(real, n, folder)
+    return prompts, np.array(digits)
 
 
 def train(demo: Demo, outputs: Path, steps: int | None, batch_size: int | None, seed: int) -> str:
@@ -177,15 +201,19 @@ def measure(name: str, ckpt: str, a) -> dict:
     base = complete_sample_config(loaded.family, base, loaded.cfg)
     accuracy = demo.classifier(loaded.cfg)
     n = 10 * a.samples_per_class
-    wanted = np.arange(n) % 10
+    conditions, wanted = demo.conditions, np.arange(n) % 10
+    if conditions is None:
+        folder = Path(a.out) / name / "first_frames"
+        conditions, wanted = first_frame_conditions(loaded.cfg, n, folder)
+        base = replace(base, image=str(folder))
     specs = a.rows or default_rows(loaded.family, demo)
     # the reference first; PAB only where there is attention to broadcast (the video models)
     specs = ["none"] + [s for s in specs if s != "none" and (demo.pab or parse_row(s)["cache"] != "pab")]
-    sample_row(loaded, base, demo.conditions, min(a.batch_size, n), a.batch_size)  # warm-up: untimed
+    sample_row(loaded, base, conditions, min(a.batch_size, n), a.batch_size)  # warm-up: untimed
     rows, reference = [], None
     for spec in specs:
         sample_cfg = complete_sample_config(loaded.family, replace(base, **parse_row(spec)), loaded.cfg)
-        r = sample_row(loaded, sample_cfg, demo.conditions, n, a.batch_size)
+        r = sample_row(loaded, sample_cfg, conditions, n, a.batch_size)
         reference = r["samples"] if reference is None else reference
         total = r["ran"] + r["skipped"]
         rows.append(dict(row=spec, seconds=r["seconds"], speedup=rows[0]["seconds"] / r["seconds"] if rows else 1.0,

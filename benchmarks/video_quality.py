@@ -143,6 +143,20 @@ def directions_agree(clips: np.ndarray, prompts: list[str], travel: float) -> np
     return (seen == wanted).all(axis=1)
 
 
+def first_frame_prompts(real, n: int, folder: Path) -> tuple[list[str], list[int], np.ndarray]:
+    """The image-to-video demo's conditions: held-out clip i's caption, its digit and its first frame (uint8
+    [n, S, S]), the frames written as folder/0000.png ... (sample.py --image folder: one per prompt)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts, firsts = [real.caption(i) for i in range(n)], []
+    for i in range(n):
+        first = ((real[i][0][0, 0].numpy() + 1) * 127.5).round().astype(np.uint8)
+        Image.fromarray(first).save(folder / f"{i:04d}.png")
+        firsts.append(first)
+    return prompts, [int(p.split()[2]) for p in prompts], np.stack(firsts)
+
+
 def tiny_umt5(outputs: str) -> str:
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
 
@@ -209,19 +223,11 @@ def main():
     real = MovingDigitsDataset(a.image_size, a.num_frames, split="held_out", seed=3, **recipe["data"])
     first_error = None
     if a.recipe == "wan22_i2v_digits":  # held-out clips' first frames and captions: the digit is the image's
-        from PIL import Image
-
         folder = Path(a.outputs) / "first_frames"
-        folder.mkdir(parents=True, exist_ok=True)
-        prompts, firsts = [real.caption(i) for i in range(n)], []
-        for i in range(n):
-            first = ((real[i][0][0, 0].numpy() + 1) * 127.5).round().astype(np.uint8)
-            Image.fromarray(first).save(folder / f"{i:04d}.png")
-            firsts.append(first)
-        digits = [int(p.split()[2]) for p in prompts]
+        prompts, digits, firsts = first_frame_prompts(real, n, folder)
         sample_cfg = dataclasses.replace(sample_cfg, image=str(folder))
         clips, sample_s = sample_checkpoint(sample_cfg, prompts, n, chunk=20)
-        first_error = float(np.abs(clips[:, 0, ..., 0].astype(np.float32) - np.stack(firsts)).mean() / 255)
+        first_error = float(np.abs(clips[:, 0, ..., 0].astype(np.float32) - firsts).mean() / 255)
     elif a.recipe == "wan_digits":
         from opendit.data.moving_digits import DIRECTIONS
 

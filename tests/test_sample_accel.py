@@ -25,6 +25,20 @@ def test_sample_accel_smoke(tmp_path, capsys, one_thread):
     assert saved["demos"][0]["rows"][0]["psnr_db"] == math.inf and saved["hardware"] in table
 
 
+def test_sample_accel_image_to_video_smoke(tmp_path, one_thread):
+    """The Wan2.2 image-to-video demo: each sample gets a held-out clip's first frame (written beside the table) and
+    caption, its wanted digit the caption's."""
+    from benchmarks import sample_accel
+    out = tmp_path / "accel"
+    [result] = sample_accel.main(["--demos", "wan_i2v", "--train_steps", "2", "--train_batch_size", "4",
+                                  "--samples_per_class", "1", "--sampling_steps", "3", "--rows", "none",
+                                  "fbcache:0.2", "--out", str(out)])
+    assert result["model"] == "Wan2.2-I2V-debug" and result["samples"] == 10
+    assert len(list((out / "wan_i2v" / "first_frames").glob("*.png"))) == 10
+    none, fb = result["rows"]
+    assert none["psnr_db"] == math.inf and fb["evaluations"] > 0 and 0 <= fb["classifier_accuracy"] <= 1
+
+
 def test_flux_cache_sampling_smoke(tmp_path):
     """benchmarks/flux_cache_sampling.py (gpu_check.sh's flux-dev row) on flux-debug on the CPU."""
     from tests.test_video_family import cli
