@@ -19,3 +19,27 @@ def t5_word_tokenizer(words, max_length: int = 512):
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
                                    model_max_length=max_length)
+
+
+CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]  # pad (Qwen's), turn markers, unknown
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def chat_word_tokenizer(words, max_length: int = 512):
+    """A word-level fast tokenizer with a Qwen-style chat template (<|im_start|>role text<|im_end|>, padding with
+    <|endoftext|>, nothing appended), for the tiny chat text encoders (Qwen3 as FLUX.2 [klein]'s) whose pipelines
+    format prompts with tokenizer.apply_chat_template. Words as t5_word_tokenizer takes them."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_words = sorted({str(w).lower() for w in [*demo_words(words), "user", "assistant", "system"]})
+    vocab = {w: i for i, w in enumerate(CHAT_SPECIAL + vocab_words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
+                                  model_max_length=max_length)
+    out.chat_template = CHAT_TEMPLATE
+    return out

@@ -16,6 +16,7 @@ from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
 from opendit.families.wan import WanFamily
+from opendit.families.wrapped import FLUX2
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -77,6 +78,7 @@ register_family(DiTFamily())
 register_family(VideoDiffusionFamily())
 register_family(FluxFamily())
 register_family(WanFamily())
+register_family(FLUX2)
 for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
     importlib.import_module(_module)  # registers itself
 

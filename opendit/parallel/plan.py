@@ -102,6 +102,11 @@ def validate_sp(world_size: int, sp_size: int, kind: str, num_heads: int, kinds=
     if world_size % sp_size:
         raise ValueError(f"--sequence_parallel_size {sp_size} does not divide the world size {world_size}; "
                          f"launch a multiple of {sp_size} processes or pick a divisor of {world_size}")
+    if not kinds:  # the model's sequence cannot be split
+        if sp_size > 1:
+            raise ValueError(f"--sequence_parallel_size {sp_size}: this model implements no sequence parallelism; "
+                             f"use 1 (the default)")
+        return kind
     kind = default_sp_kind(sp_size, tuple(kinds)) if kind == "auto" else kind
     if kind in HEAD_KINDS and num_heads % sp_size:
         divisors = [p for p in range(1, num_heads + 1) if num_heads % p == 0 and world_size % p == 0]

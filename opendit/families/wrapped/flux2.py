@@ -1,0 +1,120 @@
+"""FLUX.2 [klein] through diffusers' own Flux2Transformer2DModel and Flux2KleinPipeline.
+
+Its prompt embedding is the pipeline's: each prompt in Qwen3's chat template, padded to max_sequence_length, the
+hidden states of three of Qwen3's layers stacked per token (3 x 2560 = 7680 wide for the 4B model). Images go
+through AutoencoderKLFlux2 (32 channels, 8x down), are patched 2x2 (128 channels) and normalised by the VAE's
+batch-norm statistics, then packed into tokens with 4-D position ids (t, h, w, l), as the pipeline does.
+
+Training follows diffusers' FLUX.2 DreamBooth LoRA examples (examples/dreambooth/train_dreambooth_lora_flux2*.py):
+noisy = (1 - s) x + s noise, the model predicts noise - x from timestep s (the pipeline passes sigma, in [0, 1]),
+plain MSE, no guidance input. The density of s is --timestep_sampling (those scripts' --weighting_scheme:
+logit_normal, or uniform = their "none").
+
+    python -m opendit.families.wrapped.flux2 outputs/tiny_qwen3   # a tiny random Qwen3 + tokenizer for the demo
+"""
+import argparse
+
+import torch
+
+from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
+
+KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
+# the CPU-sized model of tests and the demo: a tiny Qwen3 (16 wide, 3 layers) conditions it
+KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                   joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
+# text_layers: the Qwen3 hidden states stacked into the prompt embedding; steps and cfg: sampling defaults
+FLUX2_MODELS = {
+    "flux2-klein-4b": WrappedSpec("flux2-klein-4b", "flux2", None, KLEIN_4B,
+                                  dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0)),
+    "flux2-klein-debug": WrappedSpec("flux2-klein-debug", "flux2", None, KLEIN_DEBUG,
+                                     dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0)),
+}
+# the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
+SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                 base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
+
+
+def _klein():
+    from diffusers import Flux2KleinPipeline
+    return Flux2KleinPipeline
+
+
+class Flux2KleinGlue(ModelGlue):
+    transformer_class = "Flux2Transformer2DModel"
+    pipeline_class = "Flux2KleinPipeline"
+    vae_class = "AutoencoderKLFlux2"
+    models = FLUX2_MODELS
+    # attention and feed-forward Linears of both streams and of the single blocks (diffusers' names)
+    lora_targets = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
+                    r"ff(_context)?\.linear_(in|out))|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+    recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
+              "no guidance input")
+
+    def text_encoder(self, path, device, dtype, model) -> TextEncoder:
+        const = self.models[model].constants
+        return load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])
+
+    def encode_prompts(self, encoder: TextEncoder, captions, device) -> torch.Tensor:
+        return _klein()._get_qwen3_prompt_embeds(encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32,
+                                                 device=device, max_sequence_length=encoder.max_length,
+                                                 hidden_states_layers=encoder.layers)
+
+    def to_tokens_space(self, vae, z):
+        """Patched 2x2 and normalised by the VAE's batch-norm statistics (the pipeline's _encode_vae_image)."""
+        z = _klein()._patchify_latents(z)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
+        return (z - mean) / std
+
+    def forward_kwargs(self, model, x, t, embeds, cfg) -> dict:
+        pipe = _klein()
+        return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
+                    img_ids=pipe._prepare_latent_ids(x).to(x.device),
+                    txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=None, return_dict=False)
+
+    def from_output(self, out, shape):
+        b, c, h, w = shape
+        return out.transpose(1, 2).reshape(b, c, h, w)
+
+    def pipeline(self, model, vae, scheduler_folder):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
+                     else FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+        pipe = _klein()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=model,
+                        is_distilled=False)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def pipeline_call(self, loaded, sample_cfg, embeds, negative, noise) -> dict:
+        const = self.models[loaded.cfg.model].constants
+        return dict(guidance_scale=sample_cfg.cfg_scale, negative_prompt_embeds=negative,
+                    max_sequence_length=const["max_sequence_length"], text_encoder_out_layers=const["text_layers"])
+
+
+def save_tiny_qwen3(folder, words="digits", hidden_size: int = 16, layers: int = 3, max_length: int = 16,
+                    seed: int = 0) -> str:
+    """Write a tiny random Qwen3ForCausalLM (hidden_size wide, `layers` deep) and a word-level chat tokenizer over
+    `words` (opendit.encoders.word_tokenizer.chat_word_tokenizer) to `folder`: flux2-klein-debug's text encoder
+    (its prompt embedding stacks layers 1-3: 3 x 16 = 48 wide)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opendit.encoders.word_tokenizer import chat_word_tokenizer
+
+    tokenizer = chat_word_tokenizer(words, max_length)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=hidden_size // 2, max_position_embeddings=4 * max_length, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder")
+    parser.add_argument("--words", default="digits", help="the vocabulary: digits, moving_digits or all")
+    print(save_tiny_qwen3(parser.parse_args().folder, words=parser.parse_args().words))

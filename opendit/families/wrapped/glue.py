@@ -1,0 +1,157 @@
+"""What one diffusers-transformer model needs beyond what the kind shares (opendit.families.wrapped.kind): the
+`ModelGlue` interface, and the pieces most glues use (a text encoder loaded from a pipeline folder, the stand-in
+autoencoder of pixel space, the diffusers class given opendit's model declarations).
+
+A glue says how its model is fed: prompts -> embeddings (the pipeline's own encode_prompt code), images -> the
+model's token space (the VAE, its normalisation, patching), the forward's keyword arguments (tokens, position ids,
+timestep, guidance), and which diffusers pipeline samples it. The kind does the rest: data, the objective, every
+plugin, LoRA, resume, previews and sampling.
+"""
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from opendit.families.base import ModelSpec
+
+
+class WrappedSpec(ModelSpec):
+    """A registry entry whose arch is the diffusers transformer's config (its class's constructor arguments)."""
+
+    @property
+    def num_heads(self) -> int:
+        return self.arch["num_attention_heads"]
+
+
+def block_lists(model: nn.Module) -> tuple[str, ...]:
+    """The names of the model's nn.ModuleList attributes holding its repeated blocks: the classes its diffusers
+    class lists in `_repeated_blocks` (else `_no_split_modules`), in the order the lists were defined."""
+    kinds = set(getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None) or ())
+    found = tuple(name for name, child in model.named_children()
+                  if isinstance(child, nn.ModuleList) and len(child) and type(child[0]).__name__ in kinds)
+    if not found:
+        raise TypeError(f"{type(model).__name__} names no repeated blocks (_repeated_blocks / _no_split_modules) that "
+                        f"opendit can find in an nn.ModuleList; it cannot be trained block by block")
+    return found
+
+
+def declare(model: nn.Module) -> nn.Module:
+    """A diffusers transformer with what opendit.families.DiffusionModel asks (its block lists, no parallel plan
+    of opendit's): the same class and state_dict keys, so save_pretrained and diffusers' pipelines still take it."""
+    model._block_lists = block_lists(model)
+    model.parallel_plan = None
+    return model
+
+
+def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str) -> Path:
+    """`path` itself when it holds config.json, else the first of its `subfolders` that does (a pipeline folder)."""
+    root = Path(path)
+    for folder in (root, *(root / s for s in subfolders)):
+        if (folder / "config.json").is_file():
+            return folder
+    raise FileNotFoundError(f"{flag} {path!r}: no {what} there (config.json, or a pipeline folder with "
+                            f"{' or '.join(s + '/' for s in subfolders)})")
+
+
+class PixelSpace(nn.Module):
+    """Pixel space dressed as a FLUX.2-style autoencoder, so a diffusers pipeline samples a pixel-space model
+    unchanged: downsampling 1, its batch-norm statistics zero mean and unit variance (normalising is the identity),
+    decode returns its input."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.config = types.SimpleNamespace(block_out_channels=(channels,), batch_norm_eps=0.0,
+                                            latent_channels=channels)
+        self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
+        self.register_buffer("anchor", torch.zeros(()), persistent=False)  # its device and dtype for the pipeline
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.anchor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def decode(self, z, return_dict: bool = True):
+        return (z,) if not return_dict else types.SimpleNamespace(sample=z)
+
+
+@dataclass
+class TextEncoder:
+    """A pipeline's text encoder and tokenizer (frozen, eval mode), and what its encode_prompt is given."""
+    model: nn.Module
+    tokenizer: object
+    max_length: int
+    layers: tuple[int, ...] = ()  # hidden-state layers the prompt embedding stacks (FLUX.2)
+
+
+def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, layers=(),
+                      model_dir=("text_encoder",), tokenizer_dir=("tokenizer",)) -> TextEncoder:
+    """A transformers text encoder from `path`: a folder holding the model and its tokenizer, or a pipeline folder
+    (its text_encoder/ and tokenizer/)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = find_folder(path, model_dir, "text encoder", "--text_encoder")
+    tok = folder if (folder / "tokenizer_config.json").is_file() else find_folder(path, tokenizer_dir, "tokenizer",
+                                                                                  "--text_encoder")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval().requires_grad_(False)
+    return TextEncoder(model, AutoTokenizer.from_pretrained(tok), max_length, tuple(layers))
+
+
+class ModelGlue:
+    """One diffusers transformer class's glue. Class attributes: `transformer_class` and `pipeline_class` (diffusers
+    names), `models` {name: WrappedSpec}, `lora_targets` (a regex over the diffusers module names), `recipe` (the
+    training recipe followed, in words). Methods below."""
+    transformer_class: str = ""
+    pipeline_class: str = ""
+    vae_class: str = "AutoencoderKL"
+    models: dict = {}
+    lora_targets: str = ""
+    recipe: str = ""
+    patch: int = 2  # latent pixels per token side
+
+    def transformer_type(self):
+        import diffusers
+        return getattr(diffusers, self.transformer_class)
+
+    def build(self, **config) -> nn.Module:
+        return declare(self.transformer_type()(**config))
+
+    def text_encoder(self, path: str, device, dtype, model: str) -> TextEncoder:
+        raise NotImplementedError
+
+    def encode_prompts(self, encoder: TextEncoder, captions: list[str], device) -> torch.Tensor:
+        """captions -> prompt embeddings float32 [B, L, D] on device, as the pipeline's encode_prompt makes them."""
+        raise NotImplementedError
+
+    def load_vae(self, path: str, device):
+        import diffusers
+        folder = find_folder(path, ("vae",), "autoencoder", "--vae")
+        return getattr(diffusers, self.vae_class).from_pretrained(folder).to(device).eval().requires_grad_(False)
+
+    def to_tokens_space(self, vae, z: torch.Tensor) -> torch.Tensor:
+        """VAE latents (a posterior sample) [B, C, h, w] -> what the model denoises, [B, C', h', w']."""
+        raise NotImplementedError
+
+    def latent_channels(self, vae_channels: int) -> int:
+        """Channels of the model's input for a VAE (or pixel space) of vae_channels."""
+        return vae_channels * self.patch * self.patch
+
+    def forward_kwargs(self, model, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, cfg) -> dict:
+        """The forward's keyword arguments for x [B, C', h', w'] at times t [B] in [0, 1]."""
+        raise NotImplementedError
+
+    def from_output(self, out: torch.Tensor, shape) -> torch.Tensor:
+        """The forward's output -> [B, C', h', w'] of `shape`."""
+        raise NotImplementedError
+
+    def pipeline(self, model, vae, scheduler_folder: str | None):
+        """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in)."""
+        raise NotImplementedError
+
+    def pipeline_call(self, loaded, sample_cfg, embeds, negative, noise) -> dict:
+        """The pipeline's __call__ keyword arguments beyond prompt embeddings, latents and output type."""
+        raise NotImplementedError

@@ -1,0 +1,241 @@
+"""The diffusers-transformer family kind: a family whose model is diffusers' own transformer class, trained under
+opendit's whole stack (every plugin, activation checkpointing and --compile per block, master-weight modes, the
+sharded EMA, exact resume at another world size, LoRA, the lean optimizer, block swap, validation, previews) and
+sampled through the model's own diffusers pipeline.
+
+What differs per model is its glue (opendit.families.wrapped.glue.ModelGlue): prompts -> embeddings, images -> the
+model's token space, the forward's arguments, the pipeline. A family is `DiffusersFamily(name, glue)`.
+
+Data: the captioned digits demo (pixel space, through PixelSpace), or a folder of captioned images / a CSV or JSONL
+of path,caption through the model's VAE. Caption dropout for classifier-free guidance replaces a caption's
+embedding by the empty caption's (p = --caption_dropout_prob).
+"""
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opendit.data import CAPTIONED_DIGITS, CAPTIONS, dataset_map
+from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
+from opendit.encoders.text import FixedEmbeddings, encoder_dtype
+from opendit.encoders.vae import posterior_sample
+from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
+from opendit.families.latent import LatentImageFamily, is_none
+from opendit.families.wrapped.glue import ModelGlue, PixelSpace
+from opendit.options import opt
+from opendit.seeding import sampling_generator
+
+logger = logging.getLogger("opendit")
+TEXT_HELP = "the text encoder: a folder with the model and its tokenizer, or the model's diffusers pipeline folder"
+
+
+@dataclass
+class WrappedTrainOptions:
+    text_encoder: str = opt("none", TEXT_HELP + ", required")
+    caption_dropout_prob: float = opt(0.1, "a caption's embedding is replaced by the empty caption's this often "
+                                           "(classifier-free guidance)", check="prob")
+    timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, then the time shift",
+                                 TIMESTEP_SAMPLINGS)
+    scheduler: str | None = opt(None, "a diffusers pipeline folder (or its scheduler/) whose sampling schedule "
+                                      "samples this model; default: the model's release settings")
+
+
+@dataclass
+class WrappedSampleOptions(NegativePromptOption):
+    text_encoder: str | None = opt(None, "the text encoder folder; default: the checkpoint's", from_checkpoint=True)
+
+
+@dataclass
+class WrappedEncoders:
+    vae: torch.nn.Module | None  # the model's autoencoder, or PixelSpace; None while training on a cache
+    text: object | None  # glue.TextEncoder, or FixedEmbeddings (previews)
+    glue: ModelGlue
+    empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
+
+    def encode(self, captions: list[str], device) -> torch.Tensor:
+        if isinstance(self.text, FixedEmbeddings):
+            return self.text(captions).to(device)
+        return self.glue.encode_prompts(self.text, captions, device).float()
+
+    def empty_embedding(self, device) -> torch.Tensor:
+        if self.empty is None:
+            self.empty = self.encode([""], "cpu")[0]
+        self.empty = self.empty.to(device)
+        return self.empty
+
+
+class WrappedObjective:
+    """Rectified flow in the glue's token space: x_t = (1 - t) x + t noise, target noise - x, per-sample MSE. A
+    batch is (images [B, C, H, W] in [-1, 1], captions)."""
+
+    def __init__(self, encoders: WrappedEncoders, cfg):
+        self.encoders, self.cfg, self.glue = encoders, cfg, encoders.glue
+        self.flow = RectifiedFlow(distribution=cfg.timestep_sampling, shift=False)
+
+    def prepare(self, batch, device, train: bool = True):
+        images = batch[0].to(device, non_blocking=True)
+        vae = self.encoders.vae
+        if isinstance(vae, PixelSpace):
+            z = images
+        else:
+            param = next(vae.parameters())
+            posterior = vae.encode(images.to(param.dtype)).latent_dist
+            z = posterior_sample(posterior.mean, posterior.std).float()
+        x = self.glue.to_tokens_space(vae, z).float()
+        embeds = self.encoders.encode(list(batch[1]), device)
+        p = self.cfg.caption_dropout_prob if train else 0.0
+        drop = (torch.rand(len(embeds)) < p).to(device)  # the global RNG: the same on every SP rank
+        embeds = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), embeds)
+        return x, {"embeds": embeds}
+
+    def losses(self, model, x, cond, t_frac=None, noise=None):
+        t = self.flow.sample_t(len(x), x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
+
+        def velocity(x_t, t):
+            out = model(**self.glue.forward_kwargs(model, x_t, t, cond["embeds"], self.cfg))
+            return self.glue.from_output(out[0] if isinstance(out, tuple) else out, x_t.shape)
+        return self.flow.losses(velocity, x, t, noise), t
+
+
+@dataclass
+class PipelineSampler:
+    steps: int
+
+
+class DiffusersFamily(LatentImageFamily):
+    """A family of one ModelGlue's models (see the module's docstring)."""
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS)
+    samplers = ("euler",)  # the pipeline's scheduler (FLUX.2: FlowMatchEulerDiscreteScheduler)
+    train_options = WrappedTrainOptions
+    sample_options = WrappedSampleOptions
+    encoder_folders = ("vae", "text_encoder")
+    default_vae_scale = 1.0  # the glue normalises latents (FLUX.2: the VAE's batch-norm statistics)
+    cache_thresholds = {}
+
+    def __init__(self, name: str, glue: ModelGlue):
+        self.name, self.glue = name, glue
+        self.models = {n: dataclasses.replace(spec, constructor=glue.build) for n, spec in glue.models.items()}
+        self.lora_targets = glue.lora_targets
+        self.defaults_help = {"sampler": f"{name}: its diffusers pipeline ({glue.pipeline_class})"}
+
+    def constant(self, model: str, key: str):
+        return self.models[model].constants[key]
+
+    def default_sampling_steps(self, cfg) -> int:
+        return self.constant(cfg.model, "steps")
+
+    def patch_size(self, cfg) -> int:
+        return self.glue.patch
+
+    # ---- configuration and data ---------------------------------------------------------------------------
+    def fill_defaults(self, cfg):
+        return dataclasses.replace(super().fill_defaults(cfg), num_classes=0)
+
+    def load_encoders(self, cfg, device, training: bool) -> WrappedEncoders:
+        if is_none(cfg.text_encoder):
+            raise ValueError(f"{cfg.model} needs --text_encoder <local folder> ({TEXT_HELP}); the demo makes a tiny "
+                             f"one: RECIPE=digits bash train_{self.name}.sh")
+        text = self.glue.text_encoder(cfg.text_encoder, device, encoder_dtype(device), cfg.model)
+        return WrappedEncoders(vae=self._vae(cfg, device), text=text, glue=self.glue)
+
+    def _vae(self, cfg, device):
+        if is_none(cfg.vae):
+            return PixelSpace(self.pixel_channels(cfg)).to(device)
+        return self.glue.load_vae(cfg.vae, device)
+
+    def dataset_options(self, cfg, encoders, spec) -> dict:
+        return {"channels": self.source_channels(cfg, encoders)}
+
+    def source_channels(self, cfg, encoders) -> int:
+        return self.pixel_channels(cfg) if isinstance(encoders.vae, PixelSpace) else 3
+
+    def data_settings(self, cfg, dataset):
+        return dataclasses.replace(cfg, num_classes=0)
+
+    def size_step(self, cfg, encoders) -> int:
+        return self._downsampling(encoders.vae) * self.glue.patch
+
+    def downsampling(self, loaded) -> int:
+        """Pixels per side of one latent position of the model's input: the VAE's downsampling x the 2x2 patch."""
+        return self.size_step(loaded.cfg, loaded.encoders)
+
+    @staticmethod
+    def _downsampling(vae) -> int:
+        return 2 ** (len(vae.config.block_out_channels) - 1)
+
+    # ---- model ---------------------------------------------------------------------------------------------
+    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
+        vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
+        step = self._downsampling(vae) * self.glue.patch
+        if cfg.image_size % step:
+            raise ValueError(f"--image_size {cfg.image_size} must be a multiple of {step} (the VAE's downsampling x "
+                             f"{cfg.model}'s 2x2 patches)")
+        channels = vae.config.latent_channels
+        return self.glue.latent_channels(channels), cfg.image_size // step, cfg.image_size // step
+
+    def build_model(self, cfg, latent_shape):
+        return self.models[cfg.model].build(in_channels=latent_shape[0])
+
+    def objective(self, cfg, encoders) -> WrappedObjective:
+        logger.info("objective of %s: %s; t ~ %s", cfg.model, self.glue.recipe, cfg.timestep_sampling)
+        return WrappedObjective(encoders, cfg)
+
+    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+        const = self.models[cfg.model].constants
+        width = self.models[cfg.model].arch["joint_attention_dim"]
+        embeds = torch.randn(batch, const["max_sequence_length"], width, device=device)
+        x = torch.randn(batch, *latent_shape, device=device)
+        return self.glue.forward_kwargs(model, x, torch.rand(batch, device=device), embeds, cfg)
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def sample_defaults(self, sample_cfg, cfg) -> dict:
+        return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": self.constant(cfg.model, "cfg_scale")}
+
+    def conditions(self, sample_cfg, cfg) -> list:
+        return prompt_conditions(sample_cfg, cfg.model)
+
+    def make_sampler(self, sample_cfg, cfg) -> PipelineSampler:
+        if sample_cfg.cache != "none":
+            raise ValueError(f"--cache {sample_cfg.cache}: {cfg.model} samples through its diffusers pipeline, which "
+                             f"opendit's step caches do not hook yet; leave --cache out")
+        return PipelineSampler(sample_cfg.num_sampling_steps)
+
+    def sampling_encoders(self, cfg, encoders, device):
+        return encoders
+
+    @torch.no_grad()
+    def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
+        """The pipeline's images (its own decoding and post-processing, as its PIL images are) for global indices;
+        the noise from (seed, first index), the prompt embeddings from the family's encoder."""
+        enc, (c, h, w) = loaded.encoders, loaded.latent_shape
+        noise = torch.randn(len(indices), c, h, w, generator=sampling_generator(sample_cfg.seed, indices.start))
+        embeds = enc.encode([conditions[i % len(conditions)] for i in indices], device)
+        negative = enc.encode([sample_cfg.negative_prompt], device).expand_as(embeds)
+        scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
+        pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler)
+        step = self.downsampling(loaded)
+        images = pipe(prompt_embeds=embeds, latents=noise.to(device), num_inference_steps=sampler.steps,
+                      height=h * step, width=w * step, output_type="np",
+                      **self.glue.pipeline_call(loaded, sample_cfg, embeds, negative, noise)).images
+        return (np.asarray(images) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+
+    # ---- previews ------------------------------------------------------------------------------------------
+    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+        return preview_prompts(dataset, rows, cfg.model)
+
+    def preview_encoders(self, cfg, encoders: WrappedEncoders, conditions, dataset) -> WrappedEncoders:
+        captions = list(dict.fromkeys([*conditions, "", ""]))
+        table = {c: e.cpu() for c, e in zip(captions, encoders.encode(captions, "cpu"))}
+        return dataclasses.replace(encoders, text=FixedEmbeddings(table))
+
+
+def _scheduler_folder(path: str) -> str:
+    folder = Path(path)
+    if (folder / "scheduler" / "scheduler_config.json").is_file():
+        return str(folder / "scheduler")
+    if (folder / "scheduler_config.json").is_file():
+        return str(folder)
+    raise FileNotFoundError(f"--scheduler {path!r}: no scheduler_config.json there nor in its scheduler/")

@@ -1,0 +1,180 @@
+"""FLUX.2 [klein] through diffusers' own Flux2Transformer2DModel under opendit's stack: flux2-klein-debug on the
+captioned digits (pixel space) through a tiny local Qwen3 trains and samples from the command line; the training
+loss is the recipe's, computed through the pipeline's own packing; sampled images equal Flux2KleinPipeline's own
+bitwise (tiny AutoencoderKLFlux2, prompts encoded by the pipeline); the plugins, activation checkpointing and LoRA
+at two ranks equal the plain run; a run resumes exactly; a LoRA file opendit writes loads into diffusers'
+pipeline and samples what opendit's LoRA checkpoint does."""
+import numpy as np
+import pytest
+import torch
+
+from opendit import config as cfglib
+from opendit.distributed import spawn_gloo
+from tests.test_train import run_trainer
+from tests.test_video_family import cli
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from opendit.families.wrapped.flux2 import save_tiny_qwen3
+    return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+def save_tiny_flux2_vae(folder):
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                             sample_size=16)
+    vae.bn.running_mean.normal_()  # statistics a trained VAE would have, so normalising is no identity
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    vae.save_pretrained(folder)
+    return str(folder)
+
+
+def flux2_cfg(outputs, qwen, **kw):
+    base = dict(model="flux2-klein-debug", dataset="captioned_digits", image_size=8, vae="none", text_encoder=qwen,
+                batch_size=4, max_steps=3, log_every=1, ckpt_every=100, num_workers=0, outputs=str(outputs), lr=1e-3,
+                ema_decay=0.9)
+    return cfglib.TrainConfig(**{**base, **kw})
+
+
+def test_trains_and_samples_from_the_command_line(tmp_path, qwen):
+    cli("train.py", "--model", "flux2-klein-debug", "--dataset", "captioned_digits", "--image_size", "8", "--vae",
+        "none", "--text_encoder", qwen, "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers",
+        "0", "--outputs", tmp_path)
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
+        "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
+    images = np.load(out / "samples.npz")["arr_0"]
+    assert images.shape == (2, 8, 8, 3) and images.dtype == np.uint8
+
+
+def _family_parts(qwen, vae_folder):
+    from opendit.families import get_family
+    family = get_family("flux2")
+    cfg = family.resolve_config(flux2_cfg("unused", qwen, vae=vae_folder, image_size=16))
+    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
+    torch.manual_seed(0)
+    model = family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return family, cfg, encoders, model
+
+
+def test_latents_and_loss_follow_the_pipeline_and_the_recipe(tmp_path, qwen):
+    from diffusers import Flux2KleinPipeline
+    family, cfg, enc, model = _family_parts(qwen, save_tiny_flux2_vae(tmp_path / "vae"))
+    images = torch.rand(2, 3, 16, 16) * 2 - 1
+    # the VAE's mode through the glue = the pipeline's own encoding of a conditioning image
+    mode = enc.vae.encode(images).latent_dist.mode()
+    np.testing.assert_array_equal(family.glue.to_tokens_space(enc.vae, mode).detach(), Flux2KleinPipeline(
+        enc.vae, enc.vae, None, None, model)._encode_vae_image(images, None).detach())
+    x, cond = family.objective(cfg, enc).prepare((images, ["a one", "a two"]), torch.device("cpu"), train=False)
+    assert x.shape == (2, 16, 4, 4)  # 4 latent channels in 2x2 patches; 16 px / the 2x VAE / 2
+    t, noise = torch.tensor([0.3, 0.8]), torch.randn_like(x)
+    losses, _ = family.objective(cfg, enc).losses(model, x, cond, t_frac=t, noise=noise)
+    # by hand: the pipeline's packing and ids, diffusers' forward, x_t = (1 - t) x + t noise, target noise - x
+    x_t = (1 - t[:, None, None, None]) * x + t[:, None, None, None] * noise
+    pred = model(hidden_states=Flux2KleinPipeline._pack_latents(x_t), encoder_hidden_states=cond["embeds"], timestep=t,
+                 img_ids=Flux2KleinPipeline._prepare_latent_ids(x_t),
+                 txt_ids=Flux2KleinPipeline._prepare_text_ids(cond["embeds"]), return_dict=False)[0]
+    target = Flux2KleinPipeline._pack_latents(noise - x)
+    torch.testing.assert_close(losses, ((pred - target) ** 2).mean((1, 2)), rtol=1e-6, atol=1e-7)
+
+
+def test_samples_equal_the_pipelines_own_images(tmp_path, qwen):
+    from diffusers import Flux2KleinPipeline
+    from opendit.families import LoadedModel
+    from opendit.families.wrapped.flux2 import SCHEDULER
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from opendit.seeding import sampling_generator
+    family, cfg, enc, model = _family_parts(qwen, save_tiny_flux2_vae(tmp_path / "vae"))
+    loaded = LoadedModel(family, model, enc, cfg, (16, 4, 4), "random")
+    sample_cfg = cfglib.SampleConfig(prompts=["a handwritten one", "the digit seven"], cfg_scale=2.5,
+                                     num_sampling_steps=3, seed=5)
+    ours = family.sample_batch(loaded, family.make_sampler(sample_cfg, cfg), range(2, 5), sample_cfg.prompts,
+                               sample_cfg, torch.device("cpu"))
+    pipe = Flux2KleinPipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER), enc.vae, enc.text.model,
+                              enc.text.tokenizer, model)
+    noise = torch.randn(3, 16, 4, 4, generator=sampling_generator(5, 2))
+    theirs = pipe(prompt=["a handwritten one", "the digit seven", "a handwritten one"], latents=noise, height=16,
+                  width=16, num_inference_steps=3, guidance_scale=2.5, max_sequence_length=16,
+                  text_encoder_out_layers=(1, 2, 3), output_type="pil").images
+    assert ours.shape == (3, 16, 16, 3)
+    np.testing.assert_array_equal(ours, np.stack([np.asarray(im) for im in theirs]))
+
+
+def test_resumed_losses_equal_uninterrupted(tmp_path, qwen):
+    _, full = run_trainer(flux2_cfg(tmp_path / "a", qwen, max_steps=4, ckpt_every=2))
+    run_trainer(flux2_cfg(tmp_path / "b", qwen, max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(flux2_cfg(tmp_path / "b", qwen, max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:] and all(np.isfinite(full))
+
+
+def _runs(rank, world_size, cases):
+    """Each case's losses, one Trainer after another in this process group (one spawn for the whole matrix)."""
+    return [run_in_group(cfg) for cfg in cases]
+
+
+def run_in_group(cfg):
+    from opendit.training.loop import Trainer
+    return Trainer(cfg).train()
+
+
+@pytest.mark.slow
+def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_path, qwen):
+    base = tmp_path / "base"
+    run_trainer(flux2_cfg(base, qwen, max_steps=2))
+    base_ckpt = str(base / "000-flux2-klein-debug" / "checkpoints" / "step-000002" / "ema.safetensors")
+    lora = dict(lora_rank=4, init_weights=base_ckpt, ema_decay=0.0)
+    names = ["ddp", "zero2", "fsdp", "fsdp-checkpointed", "ddp-lora", "fsdp-lora"]
+    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp"), dict(plugin="fsdp", grad_checkpoint=1), lora,
+             dict(plugin="fsdp", **lora)]
+    cases = [flux2_cfg(tmp_path / n, qwen, **kw) for n, kw in zip(names, flags)]
+    losses = dict(zip(names, spawn_gloo(_runs, 2, cases)[0]))
+    for name in ("zero2", "fsdp", "fsdp-checkpointed"):
+        np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(losses["fsdp-lora"], losses["ddp-lora"], rtol=1e-4)
+    assert losses["ddp-lora"] != losses["ddp"]  # the LoRA runs started from the trained base
+
+
+def test_a_lora_file_loads_into_diffusers_pipeline_and_samples_the_same(tmp_path, qwen):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from opendit.families.wrapped.flux2 import SCHEDULER
+    from opendit.families.wrapped.glue import PixelSpace
+    from opendit.checkpoint import load_weights
+    from opendit.families import get_family
+    from opendit.seeding import sampling_generator
+
+    run_trainer(flux2_cfg(tmp_path / "base", qwen, max_steps=2))
+    base_ckpt = tmp_path / "base" / "000-flux2-klein-debug" / "checkpoints" / "step-000002" / "ema.safetensors"
+    # lr high enough that the adapters move the samples
+    run_trainer(flux2_cfg(tmp_path / "lora", qwen, max_steps=3, lora_rank=4, init_weights=str(base_ckpt), lr=3e-2,
+                          ckpt_every=3, ema_decay=0.0))
+    step = tmp_path / "lora" / "000-flux2-klein-debug" / "checkpoints" / "step-000003"
+    files = sorted(p.name for p in step.iterdir() if "lora" in p.name and p.suffix == ".safetensors")
+    assert files, list(step.iterdir())
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", step, "--prompts", "a handwritten one", "--num_samples", "2", "--num_sampling_steps",
+        "3", "--cfg_scale", "1", "--npz", "--out", out)
+    ours = np.load(out / "samples.npz")["arr_0"]
+
+    family = get_family("flux2")
+    cfg = family.resolve_config(flux2_cfg("unused", qwen))
+    model = family.build_model(cfg, (4, 4, 4))
+    model.load_state_dict(load_weights(str(base_ckpt)))
+    enc = family.load_encoders(cfg, torch.device("cpu"), training=False)
+    pipe = Flux2KleinPipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER), PixelSpace(1), enc.text.model,
+                              enc.text.tokenizer, model)
+    diffusers_file = next(f for f in files if "kohya" not in f)
+    pipe.load_lora_weights(str(step / diffusers_file))
+    noise = torch.randn(2, 4, 4, 4, generator=sampling_generator(0, 0))
+
+    def images():
+        out = pipe(prompt=["a handwritten one"] * 2, latents=noise, height=8, width=8, num_inference_steps=3,
+                   guidance_scale=1.0, max_sequence_length=16, text_encoder_out_layers=(1, 2, 3), output_type="np")
+        return (np.asarray(out.images) * 255).round().astype(np.uint8)  # as the pipeline's PIL images
+    with_lora = images()
+    assert np.abs(ours.astype(int) - with_lora.astype(int)).max() <= 1
+    pipe.unload_lora_weights()
+    assert not np.array_equal(images(), with_lora)  # the LoRA mattered
