@@ -4,6 +4,8 @@ loss is the recipe's, computed through the pipeline's own packing; sampled image
 bitwise (tiny AutoencoderKLFlux2, prompts encoded by the pipeline); the plugins, activation checkpointing and LoRA
 at two ranks equal the plain run; a run resumes exactly; a LoRA file opendit writes loads into diffusers'
 pipeline and samples what opendit's LoRA checkpoint does."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,75 @@ def test_a_lora_file_loads_into_diffusers_pipeline_and_samples_the_same(tmp_path
     assert np.abs(ours.astype(int) - with_lora.astype(int)).max() <= 1
     pipe.unload_lora_weights()
     assert not np.array_equal(images(), with_lora)  # the LoRA mattered
+
+
+def test_the_official_flux2_dev_layout_converts_onto_diffusers_model():
+    """BFL's flux2-dev.safetensors (its 299 keys and shapes, on meta) through the converter the kind uses: every
+    tensor of Flux2Transformer2DModel at the release's configuration, none left over."""
+    from opendit.families import get_family
+    from opendit.families.wrapped.flux2 import KLEIN_4B
+    from tests.test_flux_model import _read_tsv
+
+    official = {k: torch.empty(shape, device="meta") for k, shape in _read_tsv("flux2-dev_state_dict.tsv")}
+    assert len(official) == 299 and sum(t.numel() for t in official.values()) == 32_223_281_152
+    glue = get_family("flux2").glue
+    converted = glue.convert_official(official)
+    dev = dict(KLEIN_4B, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+               guidance_embeds=True)
+    with torch.device("meta"):
+        model = glue.build(**dev)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape)
+                                                                 for k, v in model.state_dict().items()}
+    assert model._block_lists == ("transformer_blocks", "single_transformer_blocks")
+
+
+def test_a_diffusers_pipeline_folder_trains_and_samples(tmp_path, qwen):
+    """What a user downloads (transformer/, vae/, text_encoder/ with its tokenizer, scheduler/): --init_weights and
+    --ckpt take the folder; sampling it names the model, VAE, text encoder and scheduler from it."""
+    import shutil
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from opendit.families import get_family
+    from opendit.families.wrapped.flux2 import SCHEDULER
+
+    pipe = tmp_path / "FLUX.2-klein-debug"
+    family = get_family("flux2")
+    torch.manual_seed(0)
+    model = family.models["flux2-klein-debug"].build(in_channels=16)
+    model.save_pretrained(pipe / "transformer")
+    save_tiny_flux2_vae(pipe / "vae")
+    shutil.copytree(qwen, pipe / "text_encoder")
+    FlowMatchEulerDiscreteScheduler(**dict(SCHEDULER, shift=2.0)).save_pretrained(pipe / "scheduler")
+    assert family.load_weights(str(pipe)).keys() == model.state_dict().keys()
+    settings, _ = family.recognize_checkpoint(str(pipe))
+    assert settings == dict(model="flux2-klein-debug", dataset="captions", image_size=1024, vae=str(pipe / "vae"),
+                            text_encoder=str(pipe), scheduler=str(pipe))
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", pipe, "--prompts", "a handwritten one", "--image_size", "16", "--num_sampling_steps", "2",
+        "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (1, 16, 16, 3)
+    cli("train.py", "--model", "flux2-klein-debug", "--init_weights", pipe, "--vae", pipe, "--text_encoder", pipe,
+        "--dataset", "captioned_digits", "--image_size", "16", "--batch_size", "2", "--max_steps", "1", "--num_workers",
+        "0", "--outputs", tmp_path / "runs")
+    other = tmp_path / "other"
+    shutil.copytree(pipe / "transformer", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer2DModel"}))
+    with pytest.raises(ValueError, match="holds a FluxTransformer2DModel, not the Flux2Transformer2DModel"):
+        family.load_weights(str(other))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(optimizer_offload=True, fused_backward=True, blocks_to_swap=2),
+    dict(optimizer_offload=True, optimizer_state_dtype="u16", master_weights="bf16_exact", mixed_precision="bf16",
+         fused_backward=True),
+], ids=["offload-fused-block_swap", "u16-bf16_exact-fused"])
+def test_lean_options_run_and_resume_exactly(tmp_path, qwen, kw):
+    _, plain = run_trainer(flux2_cfg(tmp_path / "p", qwen, max_steps=4))
+    _, full = run_trainer(flux2_cfg(tmp_path / "a", qwen, max_steps=4, ckpt_every=2, **kw))
+    run_trainer(flux2_cfg(tmp_path / "b", qwen, max_steps=2, ckpt_every=2, **kw))
+    _, resumed = run_trainer(flux2_cfg(tmp_path / "b", qwen, max_steps=4, ckpt_every=2, load="latest", **kw))
+    assert resumed == full[2:]
+    # bf16 weights and compressed states: close to plain AdamW in fp32; swapped and fused: the same arithmetic
+    assert full == pytest.approx(plain, rel=0.01 if "mixed_precision" in kw else 1e-5)

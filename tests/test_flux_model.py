@@ -61,7 +61,7 @@ def _read_tsv(name):
         for line in f:
             if line.strip() and not line.startswith("#"):
                 key, shape = line.rstrip("\n").split("\t")
-                rows.append((key, tuple(int(s) for s in shape.strip("()").split(",") if s.strip())))
+                rows.append((key, tuple(int(s) for s in shape.strip("()[]").split(",") if s.strip())))
     return rows
 
 

@@ -62,8 +62,8 @@ class _FlashLike(torch.autograd.Function):
         return None, None, None
 
 
-def _flash_like(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    return _FlashLike.apply(q, k, v)
+def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    return _FlashLike.apply(query, key, value)  # SDPA's own argument names: diffusers passes them by keyword
 
 
 def saved_bytes(model: nn.Module, inputs: dict) -> tuple[float, list[BlockActs]]:

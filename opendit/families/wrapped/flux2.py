@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from opendit.perf import matmul_macs
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
 
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
@@ -24,12 +25,15 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
 # the CPU-sized model of tests and the demo: a tiny Qwen3 (16 wide, 3 layers) conditions it
 KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
                    joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
-# text_layers: the Qwen3 hidden states stacked into the prompt embedding; steps and cfg: sampling defaults
+# text_layers: the Qwen3 hidden states stacked into the prompt embedding; steps and cfg: sampling defaults;
+# text_params: the text encoder's parameters (the memory planner counts them without reading the folder)
 FLUX2_MODELS = {
     "flux2-klein-4b": WrappedSpec("flux2-klein-4b", "flux2", None, KLEIN_4B,
-                                  dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0)),
+                                  dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0,
+                                       text_params=4.02e9)),  # Qwen3-4B
     "flux2-klein-debug": WrappedSpec("flux2-klein-debug", "flux2", None, KLEIN_DEBUG,
-                                     dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0)),
+                                     dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0,
+                                          text_params=0)),
 }
 # the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -45,10 +49,13 @@ class Flux2KleinGlue(ModelGlue):
     transformer_class = "Flux2Transformer2DModel"
     pipeline_class = "Flux2KleinPipeline"
     vae_class = "AutoencoderKLFlux2"
+    vae_channels, vae_params = 32, 84e6  # about: 8x down, 32 channels (128 in 2x2 patches)
     models = FLUX2_MODELS
     # attention and feed-forward Linears of both streams and of the single blocks (diffusers' names)
     lora_targets = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
                     r"ff(_context)?\.linear_(in|out))|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+    official_key = "single_stream_modulation.lin.weight"  # BFL's flux-2-*.safetensors
+    official_converter = "convert_flux2_transformer_checkpoint_to_diffusers"
     recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
               "no guidance input")
 
@@ -77,6 +84,24 @@ class Flux2KleinGlue(ModelGlue):
     def from_output(self, out, shape):
         b, c, h, w = shape
         return out.transpose(1, 2).reshape(b, c, h, w)
+
+    def forward_macs(self, model, txt_tokens, img_tokens) -> int:
+        """A Linear of the text stream (context_embedder, the double blocks' add_*_proj, to_add_out, ff_context)
+        costs txt_tokens * in * out, of a single block the joint sequence's, of the modulations and time embedding
+        one row, of the rest (x_embedder, the image stream, proj_out) img_tokens; each block's joint attention
+        2 * L^2 * inner with L = txt + img."""
+        joint = txt_tokens + img_tokens
+
+        def rows_of(name: str) -> int:
+            if "modulation" in name or name.startswith(("time_guidance_embed", "norm_out")):
+                return 1
+            if name.startswith("single_transformer_blocks"):
+                return joint
+            if name.startswith("context_embedder") or any(p in name for p in (".add_", "to_add_out", "ff_context")):
+                return txt_tokens
+            return img_tokens
+        blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+        return matmul_macs(model, rows_of) + blocks * 2 * joint * joint * model.inner_dim
 
     def pipeline(self, model, vae, scheduler_folder):
         from diffusers import FlowMatchEulerDiscreteScheduler

@@ -108,10 +108,20 @@ class ModelGlue:
     transformer_class: str = ""
     pipeline_class: str = ""
     vae_class: str = "AutoencoderKL"
+    vae_channels, vae_params = 4, 83_653_863  # the usual VAE's, for the memory planner (SD's AutoencoderKL)
     models: dict = {}
     lora_targets: str = ""
     recipe: str = ""
     patch: int = 2  # latent pixels per token side
+
+    # an official release's single file: a key only its layout has, and diffusers' converter of it
+    # (diffusers.loaders.single_file_utils)
+    official_key: str = ""
+    official_converter: str = ""
+
+    def convert_official(self, state: dict) -> dict:
+        from diffusers.loaders import single_file_utils
+        return getattr(single_file_utils, self.official_converter)(dict(state))
 
     def transformer_type(self):
         import diffusers

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+
+from opendit.checkpoint import load_weights
+from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
 
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
@@ -119,6 +123,7 @@ class DiffusersFamily(LatentImageFamily):
         self.name, self.glue = name, glue
         self.models = {n: dataclasses.replace(spec, constructor=glue.build) for n, spec in glue.models.items()}
         self.lora_targets = glue.lora_targets
+        self.vae_channels, self.vae_params = glue.vae_channels, glue.vae_params
         self.defaults_help = {"sampler": f"{name}: its diffusers pipeline ({glue.pipeline_class})"}
 
     def constant(self, model: str, key: str):
@@ -177,7 +182,16 @@ class DiffusersFamily(LatentImageFamily):
         return self.glue.latent_channels(channels), cfg.image_size // step, cfg.image_size // step
 
     def build_model(self, cfg, latent_shape):
-        return self.models[cfg.model].build(in_channels=latent_shape[0])
+        model = self.models[cfg.model].build(in_channels=latent_shape[0])
+        # (text, image) tokens per sample, for the FLOP count
+        model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), latent_shape[1] * latent_shape[2])
+        return model
+
+    def text_encoder_bytes(self, cfg, device) -> dict:
+        return {"text encoder": encoder_dtype(device).itemsize * self.constant(cfg.model, "text_params")}
+
+    def train_flops_per_sample(self, model) -> float:
+        return 3 * 2 * float(self.glue.forward_macs(model, *model.num_tokens))
 
     def objective(self, cfg, encoders) -> WrappedObjective:
         logger.info("objective of %s: %s; t ~ %s", cfg.model, self.glue.recipe, cfg.timestep_sampling)
@@ -189,6 +203,55 @@ class DiffusersFamily(LatentImageFamily):
         embeds = torch.randn(batch, const["max_sequence_length"], width, device=device)
         x = torch.randn(batch, *latent_shape, device=device)
         return self.glue.forward_kwargs(model, x, torch.rand(batch, device=device), embeds, cfg)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def load_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """{diffusers key: tensor}: a diffusers folder of the glue's transformer (or a pipeline folder holding it in
+        transformer/) as it is, an official single file through diffusers' converter, else opendit's formats."""
+        folder = self._diffusers_folder(path)
+        if folder is not None:
+            return read_safetensors(folder)
+        if self._is_official(path):
+            logger.info("converting the official layout of %s with diffusers' %s", path, self.glue.official_converter)
+            return self.glue.convert_official(read_safetensors(path))
+        return load_weights(path)
+
+    def _diffusers_folder(self, path) -> str | None:
+        folder = model_folder(path) if Path(path).is_dir() else None
+        if folder is None or "_class_name" not in read_config(folder):
+            return None
+        found = read_config(folder)["_class_name"]
+        if found != self.glue.transformer_class:
+            raise ValueError(f"{path!r} holds a {found}, not the {self.glue.transformer_class} of the {self.name} "
+                             f"models ({', '.join(self.models)})")
+        return folder
+
+    def _is_official(self, path) -> bool:
+        if Path(path).suffix != ".safetensors" or not self.glue.official_key:
+            return False
+        with safe_open(path, "pt") as f:
+            return any(k.endswith(self.glue.official_key) for k in f.keys())
+
+    def recognize_checkpoint(self, path: str):
+        """A diffusers folder of the glue's transformer (a pipeline folder also names its VAE, text encoder and
+        scheduler) or an official single file: the registered model whose architecture its config has."""
+        folder = self._diffusers_folder(path)
+        if folder is None:
+            return None if not self._is_official(path) else (dict(dataset="captions", image_size=1024), None)
+        config = read_config(folder)
+        differ = {n: [k for k, v in spec.arch.items() if k != "in_channels" and _same(config.get(k), v) is False]
+                  for n, spec in self.models.items()}
+        name = next((n for n, keys in differ.items() if not keys), None)
+        if name is None:
+            raise ValueError(f"{folder}: a {config['_class_name']} that no registered {self.name} model matches "
+                             f"(each differs in: {differ}); opendit trains {', '.join(self.models)}")
+        settings = dict(model=name, dataset="captions", image_size=1024)
+        root = Path(path)
+        if folder != str(root):  # a pipeline folder: its other components
+            for key, sub in (("vae", "vae"), ("text_encoder", "text_encoder"), ("scheduler", "scheduler")):
+                if (root / sub).is_dir():
+                    settings[key] = str(root if key != "vae" else root / sub)
+        return settings, None
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def sample_defaults(self, sample_cfg, cfg) -> dict:
@@ -230,6 +293,13 @@ class DiffusersFamily(LatentImageFamily):
         captions = list(dict.fromkeys([*conditions, "", ""]))
         table = {c: e.cpu() for c, e in zip(captions, encoders.encode(captions, "cpu"))}
         return dataclasses.replace(encoders, text=FixedEmbeddings(table))
+
+
+def _same(found, registered) -> bool | None:
+    """Whether a diffusers config value equals a registry value (lists and tuples alike); None when absent."""
+    if found is None:
+        return None
+    return list(found) == list(registered) if isinstance(registered, (list, tuple)) else found == registered
 
 
 def _scheduler_folder(path: str) -> str:
