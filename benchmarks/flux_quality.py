@@ -1,8 +1,10 @@
-"""FLUX quality benchmark: train flux-debug on the captioned digits on the CPU (pixel space, tiny random local
-T5 and CLIP encoders), sample from prompts naming each digit ("a handwritten seven"), and ask an independent
+"""FLUX quality benchmark: train flux-debug (or FLUX.2's flux2-klein-debug, through diffusers' own transformer) on
+the captioned digits on the CPU (pixel space, tiny random local T5 and CLIP encoders, or Qwen3), sample from prompts
+naming each digit ("a handwritten seven"), and ask an independent
 classifier (trained on real digits only) which digit each sample shows.
 
     python benchmarks/flux_quality.py                      # the docs/flux.md figure (at most 20 min on 2 CPU cores)
+    python benchmarks/flux_quality.py --model flux2-klein-debug    # the same for FLUX.2 [klein] (README's figure)
     python benchmarks/flux_quality.py --max_steps 20 --samples_per_digit 2 --sampling_steps 5     # smoke run
 
 Prints: the classifier's accuracy on real held-out digits, and the share of samples showing the digit their
@@ -24,17 +26,20 @@ from opendit.data.captions import DIGIT_WORDS  # noqa: E402
 from benchmarks.bench_common import sample_checkpoint  # noqa: E402
 
 
-def encoders(folder: Path) -> tuple[str, str]:
-    """Tiny random T5 and CLIP over the demo's words (what train_flux.sh's digits recipe makes)."""
+def encoders(folder: Path, model: str) -> dict:
+    """The model's tiny random text encoders over the demo's words, as flags (what train_flux.sh's and
+    train_flux2.sh's digits recipes make): FLUX.1 T5 and CLIP, FLUX.2 [klein] Qwen3."""
     from opendit.encoders.tiny_clip import save_tiny_clip
+    from opendit.families import family_of
     from opendit.families.flux.tiny_t5 import save_tiny_t5
+    from opendit.families.wrapped.flux2 import save_tiny_qwen3
 
-    t5, clip = folder / "t5", folder / "clip"
-    if not (t5 / "config.json").is_file():
-        save_tiny_t5(t5)
-    if not (clip / "config.json").is_file():
-        save_tiny_clip(clip, words="digits")
-    return str(t5), str(clip)
+    made = {"flux": dict(t5=save_tiny_t5, clip=lambda f: save_tiny_clip(f, words="digits")),
+            "flux2": dict(text_encoder=save_tiny_qwen3)}[family_of(model).name]
+    for flag, save in made.items():
+        if not (folder / flag / "config.json").is_file():
+            save(folder / flag)
+    return {flag: str(folder / flag) for flag in made}
 
 
 def main():
@@ -52,7 +57,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one")
     a = p.parse_args()
-    t5, clip = encoders(Path(a.outputs) / "encoders")
+    text = encoders(Path(a.outputs) / "encoders", a.model)
 
     train_s = 0.0
     ckpt = a.ckpt
@@ -61,7 +66,7 @@ def main():
 
         t0 = time.time()
         trainer = Trainer(cfglib.TrainConfig(
-            model=a.model, dataset="captioned_digits", image_size=a.image_size, vae="none", t5=t5, clip=clip,
+            model=a.model, dataset="captioned_digits", image_size=a.image_size, vae="none", **text,
             batch_size=a.batch_size, lr=a.lr, ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
             log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs, global_seed=a.seed))
         trainer.train()

@@ -3,7 +3,7 @@ captioned digits (pixel space) through a tiny local Qwen3 trains and samples fro
 loss is the recipe's, computed through the pipeline's own packing; sampled images equal Flux2KleinPipeline's own
 bitwise (tiny AutoencoderKLFlux2, prompts encoded by the pipeline); the plugins, activation checkpointing and LoRA
 at two ranks equal the plain run; a run resumes exactly; a LoRA file opendit writes loads into diffusers'
-pipeline and samples what opendit's LoRA checkpoint does."""
+pipeline and samples what opendit's LoRA checkpoint does (tests/test_wrapped_lora.py)."""
 import json
 
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from opendit.distributed import spawn_gloo
+from tests.distributed import run_distributed, train_each
 from tests.test_train import run_trainer
 from tests.test_video_family import cli
 
@@ -69,7 +69,7 @@ def test_latents_and_loss_follow_the_pipeline_and_the_recipe(tmp_path, qwen):
     images = torch.rand(2, 3, 16, 16) * 2 - 1
     # the VAE's mode through the glue = the pipeline's own encoding of a conditioning image
     mode = enc.vae.encode(images).latent_dist.mode()
-    np.testing.assert_array_equal(family.glue.to_tokens_space(enc.vae, mode).detach(), Flux2KleinPipeline(
+    np.testing.assert_array_equal(family.glue.to_model_space(enc.vae, mode).detach(), Flux2KleinPipeline(
         enc.vae, enc.vae, None, None, model)._encode_vae_image(images, None).detach())
     x, cond = family.objective(cfg, enc).prepare((images, ["a one", "a two"]), torch.device("cpu"), train=False)
     assert x.shape == (2, 16, 4, 4)  # 4 latent channels in 2x2 patches; 16 px / the 2x VAE / 2
@@ -113,16 +113,6 @@ def test_resumed_losses_equal_uninterrupted(tmp_path, qwen):
     assert resumed == full[2:] and all(np.isfinite(full))
 
 
-def _runs(rank, world_size, cases):
-    """Each case's losses, one Trainer after another in this process group (one spawn for the whole matrix)."""
-    return [run_in_group(cfg) for cfg in cases]
-
-
-def run_in_group(cfg):
-    from opendit.training.loop import Trainer
-    return Trainer(cfg).train()
-
-
 @pytest.mark.slow
 def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_path, qwen):
     base = tmp_path / "base"
@@ -133,53 +123,11 @@ def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_pat
     flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp"), dict(plugin="fsdp", grad_checkpoint=1), lora,
              dict(plugin="fsdp", **lora)]
     cases = [flux2_cfg(tmp_path / n, qwen, **kw) for n, kw in zip(names, flags)]
-    losses = dict(zip(names, spawn_gloo(_runs, 2, cases)[0]))
+    losses = dict(zip(names, run_distributed(train_each, 2, cases)[0]))
     for name in ("zero2", "fsdp", "fsdp-checkpointed"):
         np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
     np.testing.assert_allclose(losses["fsdp-lora"], losses["ddp-lora"], rtol=1e-4)
     assert losses["ddp-lora"] != losses["ddp"]  # the LoRA runs started from the trained base
-
-
-def test_a_lora_file_loads_into_diffusers_pipeline_and_samples_the_same(tmp_path, qwen):
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from opendit.families.wrapped.flux2 import SCHEDULER
-    from opendit.families.wrapped.glue import PixelSpace
-    from opendit.checkpoint import load_weights
-    from opendit.families import get_family
-    from opendit.seeding import sampling_generator
-
-    run_trainer(flux2_cfg(tmp_path / "base", qwen, max_steps=2))
-    base_ckpt = tmp_path / "base" / "000-flux2-klein-debug" / "checkpoints" / "step-000002" / "ema.safetensors"
-    # lr high enough that the adapters move the samples
-    run_trainer(flux2_cfg(tmp_path / "lora", qwen, max_steps=3, lora_rank=4, init_weights=str(base_ckpt), lr=3e-2,
-                          ckpt_every=3, ema_decay=0.0))
-    step = tmp_path / "lora" / "000-flux2-klein-debug" / "checkpoints" / "step-000003"
-    files = sorted(p.name for p in step.iterdir() if "lora" in p.name and p.suffix == ".safetensors")
-    assert files, list(step.iterdir())
-    out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", step, "--prompts", "a handwritten one", "--num_samples", "2", "--num_sampling_steps",
-        "3", "--cfg_scale", "1", "--npz", "--out", out)
-    ours = np.load(out / "samples.npz")["arr_0"]
-
-    family = get_family("flux2")
-    cfg = family.resolve_config(flux2_cfg("unused", qwen))
-    model = family.build_model(cfg, (4, 4, 4))
-    model.load_state_dict(load_weights(str(base_ckpt)))
-    enc = family.load_encoders(cfg, torch.device("cpu"), training=False)
-    pipe = Flux2KleinPipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER), PixelSpace(1), enc.text.model,
-                              enc.text.tokenizer, model)
-    diffusers_file = next(f for f in files if "kohya" not in f)
-    pipe.load_lora_weights(str(step / diffusers_file))
-    noise = torch.randn(2, 4, 4, 4, generator=sampling_generator(0, 0))
-
-    def images():
-        out = pipe(prompt=["a handwritten one"] * 2, latents=noise, height=8, width=8, num_inference_steps=3,
-                   guidance_scale=1.0, max_sequence_length=16, text_encoder_out_layers=(1, 2, 3), output_type="np")
-        return (np.asarray(out.images) * 255).round().astype(np.uint8)  # as the pipeline's PIL images
-    with_lora = images()
-    assert np.abs(ours.astype(int) - with_lora.astype(int)).max() <= 1
-    pipe.unload_lora_weights()
-    assert not np.array_equal(images(), with_lora)  # the LoRA mattered
 
 
 def test_the_official_flux2_dev_layout_converts_onto_diffusers_model():
@@ -225,8 +173,8 @@ def test_a_diffusers_pipeline_folder_trains_and_samples(tmp_path, qwen):
     assert settings == dict(model="flux2-klein-debug", dataset="captions", image_size=1024, vae=str(pipe / "vae"),
                             text_encoder=str(pipe), scheduler=str(pipe))
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", pipe, "--prompts", "a handwritten one", "--image_size", "16", "--num_sampling_steps", "2",
-        "--npz", "--out", out)
+    cli("sample.py", "--ckpt", pipe, "--prompts", "a handwritten one", "--image_size", "16", "--num_sampling_steps",
+        "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 16, 16, 3)
     cli("train.py", "--model", "flux2-klein-debug", "--init_weights", pipe, "--vae", pipe, "--text_encoder", pipe,
         "--dataset", "captioned_digits", "--image_size", "16", "--batch_size", "2", "--max_steps", "1", "--num_workers",

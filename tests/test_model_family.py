@@ -67,7 +67,7 @@ def test_registry_lookups_and_errors():
 def smallest(family) -> str:
     def size(arch):  # width x depth, in the names of the opendit models, Wan's official config or diffusers'
         width = arch.get("hidden_size") or arch.get("dim") or arch["num_attention_heads"] * arch["attention_head_dim"]
-        return width * arch.get("depth", arch.get("num_layers"))
+        return width * (arch.get("depth") or arch.get("num_layers") or arch["n_layers"])
     return min(family.models, key=lambda n: size(family.models[n].arch))
 
 

@@ -1,8 +1,10 @@
 """Families whose model is diffusers' own transformer class (the diffusers-transformer kind, kind.py), one glue
-per model (glue.py's ModelGlue): FLUX.2 [klein] (flux2.py)."""
+per model (glue.py's ModelGlue): FLUX.2 [klein] (flux2.py), Z-Image (zimage.py)."""
 from opendit.families.wrapped.flux2 import Flux2KleinGlue
 from opendit.families.wrapped.kind import DiffusersFamily
+from opendit.families.wrapped.zimage import ZImageGlue
 
 FLUX2 = DiffusersFamily("flux2", Flux2KleinGlue())
+ZIMAGE = DiffusersFamily("zimage", ZImageGlue())
 
-__all__ = ["FLUX2", "DiffusersFamily"]
+__all__ = ["FLUX2", "ZIMAGE", "DiffusersFamily"]

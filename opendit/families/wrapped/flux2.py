@@ -22,9 +22,10 @@ from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, l
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
                 axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
-# the CPU-sized model of tests and the demo: a tiny Qwen3 (16 wide, 3 layers) conditions it
-KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                   joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
+# the CPU-sized model of tests and the demo (flux-debug's size: 64 wide, 2 + 2 blocks); a tiny Qwen3 (16 wide,
+# 3 layers) conditions it
+KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
+                   joint_attention_dim=48, timestep_guidance_channels=64, axes_dims_rope=(4, 4, 4, 4))
 # text_layers: the Qwen3 hidden states stacked into the prompt embedding; steps and cfg: sampling defaults;
 # text_params: the text encoder's parameters (the memory planner counts them without reading the folder)
 FLUX2_MODELS = {
@@ -63,20 +64,24 @@ class Flux2KleinGlue(ModelGlue):
         const = self.models[model].constants
         return load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])
 
-    def encode_prompts(self, encoder: TextEncoder, captions, device) -> torch.Tensor:
-        return _klein()._get_qwen3_prompt_embeds(encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32,
-                                                 device=device, max_sequence_length=encoder.max_length,
-                                                 hidden_states_layers=encoder.layers)
+    def encode_prompts(self, encoder: TextEncoder, captions, device) -> dict:
+        return {"embeds": _klein()._get_qwen3_prompt_embeds(
+            encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32, device=device,
+            max_sequence_length=encoder.max_length, hidden_states_layers=encoder.layers)}
 
-    def to_tokens_space(self, vae, z):
+    def random_conditions(self, spec, batch, device) -> dict:
+        length, width = spec.constants["max_sequence_length"], spec.arch["joint_attention_dim"]
+        return {"embeds": torch.randn(batch, length, width, device=device)}
+
+    def to_model_space(self, vae, z):
         """Patched 2x2 and normalised by the VAE's batch-norm statistics (the pipeline's _encode_vae_image)."""
         z = _klein()._patchify_latents(z)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
         return (z - mean) / std
 
-    def forward_kwargs(self, model, x, t, embeds, cfg) -> dict:
-        pipe = _klein()
+    def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
+        pipe, embeds = _klein(), cond["embeds"]
         return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
                     img_ids=pipe._prepare_latent_ids(x).to(x.device),
                     txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=None, return_dict=False)
@@ -112,9 +117,10 @@ class Flux2KleinGlue(ModelGlue):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def pipeline_call(self, loaded, sample_cfg, embeds, negative, noise) -> dict:
+    def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         const = self.models[loaded.cfg.model].constants
-        return dict(guidance_scale=sample_cfg.cfg_scale, negative_prompt_embeds=negative,
+        return dict(prompt_embeds=cond["embeds"], negative_prompt_embeds=negative["embeds"],
+                    guidance_scale=sample_cfg.cfg_scale,
                     max_sequence_length=const["max_sequence_length"], text_encoder_out_layers=const["text_layers"])
 
 

@@ -22,7 +22,7 @@ class WrappedSpec(ModelSpec):
 
     @property
     def num_heads(self) -> int:
-        return self.arch["num_attention_heads"]
+        return next(self.arch[k] for k in ("num_attention_heads", "n_heads") if k in self.arch)
 
 
 def block_lists(model: nn.Module) -> tuple[str, ...]:
@@ -56,14 +56,14 @@ def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str) ->
 
 
 class PixelSpace(nn.Module):
-    """Pixel space dressed as a FLUX.2-style autoencoder, so a diffusers pipeline samples a pixel-space model
-    unchanged: downsampling 1, its batch-norm statistics zero mean and unit variance (normalising is the identity),
-    decode returns its input."""
+    """Pixel space dressed as an autoencoder, so a diffusers pipeline samples a pixel-space model unchanged:
+    downsampling 1, scale 1 and shift 0 (and FLUX.2's batch-norm statistics zero mean and unit variance: normalising
+    is the identity), decode returns its input."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.config = types.SimpleNamespace(block_out_channels=(channels,), batch_norm_eps=0.0,
-                                            latent_channels=channels)
+                                            latent_channels=channels, scaling_factor=1.0, shift_factor=0.0)
         self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
         self.register_buffer("anchor", torch.zeros(()), persistent=False)  # its device and dtype for the pipeline
 
@@ -112,7 +112,8 @@ class ModelGlue:
     models: dict = {}
     lora_targets: str = ""
     recipe: str = ""
-    patch: int = 2  # latent pixels per token side
+    patch: int = 2  # latent positions per token side
+    outside_patch: int = 2  # of those, packed into channels before the model (FLUX.2), 1: the model patches (Z-Image)
 
     # an official release's single file: a key only its layout has, and diffusers' converter of it
     # (diffusers.loaders.single_file_utils)
@@ -133,8 +134,9 @@ class ModelGlue:
     def text_encoder(self, path: str, device, dtype, model: str) -> TextEncoder:
         raise NotImplementedError
 
-    def encode_prompts(self, encoder: TextEncoder, captions: list[str], device) -> torch.Tensor:
-        """captions -> prompt embeddings float32 [B, L, D] on device, as the pipeline's encode_prompt makes them."""
+    def encode_prompts(self, encoder: TextEncoder, captions: list[str], device) -> dict[str, torch.Tensor]:
+        """captions -> their conditions {name: float32 or bool [B, ...]} on device, as the pipeline's encode_prompt
+        makes them (FLUX.2: {"embeds": [B, L, D]}; a masked encoder adds "mask": [B, L])."""
         raise NotImplementedError
 
     def load_vae(self, path: str, device):
@@ -142,26 +144,30 @@ class ModelGlue:
         folder = find_folder(path, ("vae",), "autoencoder", "--vae")
         return getattr(diffusers, self.vae_class).from_pretrained(folder).to(device).eval().requires_grad_(False)
 
-    def to_tokens_space(self, vae, z: torch.Tensor) -> torch.Tensor:
-        """VAE latents (a posterior sample) [B, C, h, w] -> what the model denoises, [B, C', h', w']."""
+    def to_model_space(self, vae, z: torch.Tensor) -> torch.Tensor:
+        """VAE latents (a posterior sample; pixels for PixelSpace) [B, C, h, w] -> what the model denoises,
+        [B, C * outside_patch^2, h / outside_patch, w / outside_patch], as the pipeline normalises and packs them."""
         raise NotImplementedError
 
-    def latent_channels(self, vae_channels: int) -> int:
-        """Channels of the model's input for a VAE (or pixel space) of vae_channels."""
-        return vae_channels * self.patch * self.patch
-
-    def forward_kwargs(self, model, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, cfg) -> dict:
-        """The forward's keyword arguments for x [B, C', h', w'] at times t [B] in [0, 1]."""
+    def random_conditions(self, spec, batch: int, device) -> dict:
+        """Prompt conditions of `batch` random prompts of the longest length (the memory planner's)."""
         raise NotImplementedError
 
-    def from_output(self, out: torch.Tensor, shape) -> torch.Tensor:
-        """The forward's output -> [B, C', h', w'] of `shape`."""
+    def forward_kwargs(self, model, x: torch.Tensor, t: torch.Tensor, cond: dict, cfg) -> dict:
+        """The forward's keyword arguments for x [B, C', h', w'] at times t [B] in [0, 1] (the noise level of
+        x_t = (1 - t) x + t noise) and the prompts' conditions."""
+        raise NotImplementedError
+
+    def from_output(self, out, shape) -> torch.Tensor:
+        """The forward's first output -> the velocity noise - x, [B, C', h', w'] of `shape`."""
         raise NotImplementedError
 
     def pipeline(self, model, vae, scheduler_folder: str | None):
         """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in)."""
         raise NotImplementedError
 
-    def pipeline_call(self, loaded, sample_cfg, embeds, negative, noise) -> dict:
-        """The pipeline's __call__ keyword arguments beyond prompt embeddings, latents and output type."""
+    def pipeline_call(self, loaded, sample_cfg, cond: dict, negative: dict) -> dict:
+        """The pipeline's __call__ keyword arguments beyond latents, steps, size and output type: the prompts'
+        and the negative prompt's embeddings, the guidance scale (--cfg_scale: 1 is off, as everywhere in opendit),
+        what the pipeline needs to encode as training did."""
         raise NotImplementedError

@@ -24,7 +24,7 @@ from opendit.checkpoint.folders import model_folder, read_config, read_safetenso
 
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
-from opendit.encoders.text import FixedEmbeddings, encoder_dtype
+from opendit.encoders.text import encoder_dtype
 from opendit.encoders.vae import posterior_sample
 from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
@@ -52,22 +52,34 @@ class WrappedSampleOptions(NegativePromptOption):
     text_encoder: str | None = opt(None, "the text encoder folder; default: the checkpoint's", from_checkpoint=True)
 
 
+class FixedPrompts:
+    """Stands in for a text encoder when only known captions will be asked for (a training preview's prompts,
+    encoded on every rank, sampled on rank 0 alone): caption -> its conditions."""
+
+    def __init__(self, table: dict[str, dict[str, torch.Tensor]]):
+        self.table = table
+
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([self.table[c][k] for c in captions]) for k in self.table[captions[0]]}
+
+
 @dataclass
 class WrappedEncoders:
-    vae: torch.nn.Module | None  # the model's autoencoder, or PixelSpace; None while training on a cache
-    text: object | None  # glue.TextEncoder, or FixedEmbeddings (previews)
+    vae: torch.nn.Module | None  # the model's autoencoder, or PixelSpace
+    text: object | None  # glue.TextEncoder, or FixedPrompts (previews)
     glue: ModelGlue
-    empty: torch.Tensor | None = None  # the empty caption's embedding [L, D]
+    empty: dict | None = None  # the empty caption's conditions, each [...] (no batch dimension)
 
-    def encode(self, captions: list[str], device) -> torch.Tensor:
-        if isinstance(self.text, FixedEmbeddings):
-            return self.text(captions).to(device)
-        return self.glue.encode_prompts(self.text, captions, device).float()
+    def encode(self, captions: list[str], device) -> dict[str, torch.Tensor]:
+        """captions -> the prompt's conditions {name: [B, ...]} on device (glue.encode_prompts)."""
+        found = self.text(captions) if isinstance(self.text, FixedPrompts) else \
+            self.glue.encode_prompts(self.text, captions, device)
+        return {k: v.to(device) for k, v in found.items()}
 
-    def empty_embedding(self, device) -> torch.Tensor:
+    def empty_conditions(self, device) -> dict[str, torch.Tensor]:
         if self.empty is None:
-            self.empty = self.encode([""], "cpu")[0]
-        self.empty = self.empty.to(device)
+            self.empty = {k: v[0] for k, v in self.encode([""], "cpu").items()}
+        self.empty = {k: v.to(device) for k, v in self.empty.items()}  # kept there: later steps copy nothing
         return self.empty
 
 
@@ -88,18 +100,18 @@ class WrappedObjective:
             param = next(vae.parameters())
             posterior = vae.encode(images.to(param.dtype)).latent_dist
             z = posterior_sample(posterior.mean, posterior.std).float()
-        x = self.glue.to_tokens_space(vae, z).float()
-        embeds = self.encoders.encode(list(batch[1]), device)
+        x = self.glue.to_model_space(vae, z).float()
+        cond = self.encoders.encode(list(batch[1]), device)
         p = self.cfg.caption_dropout_prob if train else 0.0
-        drop = (torch.rand(len(embeds)) < p).to(device)  # the global RNG: the same on every SP rank
-        embeds = torch.where(drop[:, None, None], self.encoders.empty_embedding(device), embeds)
-        return x, {"embeds": embeds}
+        drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
+        empty = self.encoders.empty_conditions(device)
+        return x, {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
 
     def losses(self, model, x, cond, t_frac=None, noise=None):
         t = self.flow.sample_t(len(x), x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
 
         def velocity(x_t, t):
-            out = model(**self.glue.forward_kwargs(model, x_t, t, cond["embeds"], self.cfg))
+            out = model(**self.glue.forward_kwargs(model, x_t, t, cond, self.cfg))
             return self.glue.from_output(out[0] if isinstance(out, tuple) else out, x_t.shape)
         return self.flow.losses(velocity, x, t, noise), t
 
@@ -164,8 +176,9 @@ class DiffusersFamily(LatentImageFamily):
         return self._downsampling(encoders.vae) * self.glue.patch
 
     def downsampling(self, loaded) -> int:
-        """Pixels per side of one latent position of the model's input: the VAE's downsampling x the 2x2 patch."""
-        return self.size_step(loaded.cfg, loaded.encoders)
+        """Pixels per side of one position of the model's input: the VAE's downsampling (x the 2x2 patches the
+        glue packs before the model)."""
+        return self._downsampling(loaded.encoders.vae) * self.glue.outside_patch
 
     @staticmethod
     def _downsampling(vae) -> int:
@@ -174,21 +187,19 @@ class DiffusersFamily(LatentImageFamily):
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
         vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
-        step = self._downsampling(vae) * self.glue.patch
-        if cfg.image_size % step:
-            raise ValueError(f"--image_size {cfg.image_size} must be a multiple of {step} (the VAE's downsampling x "
-                             f"{cfg.model}'s 2x2 patches)")
-        channels = vae.config.latent_channels
-        return self.glue.latent_channels(channels), cfg.image_size // step, cfg.image_size // step
+        down, patch, packed = self._downsampling(vae), self.glue.patch, self.glue.outside_patch
+        if cfg.image_size % (down * patch):
+            raise ValueError(f"--image_size {cfg.image_size} must be a multiple of {down * patch} (the VAE's "
+                             f"downsampling x {cfg.model}'s {patch}x{patch} patches)")
+        side = cfg.image_size // (down * packed)
+        return vae.config.latent_channels * packed * packed, side, side
 
     def build_model(self, cfg, latent_shape):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
         # (text, image) tokens per sample, for the FLOP count
-        model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), latent_shape[1] * latent_shape[2])
+        h, w = (side * self.glue.outside_patch // self.glue.patch for side in latent_shape[1:])
+        model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), h * w)
         return model
-
-    def text_encoder_bytes(self, cfg, device) -> dict:
-        return {"text encoder": encoder_dtype(device).itemsize * self.constant(cfg.model, "text_params")}
 
     def train_flops_per_sample(self, model) -> float:
         return 3 * 2 * float(self.glue.forward_macs(model, *model.num_tokens))
@@ -198,11 +209,9 @@ class DiffusersFamily(LatentImageFamily):
         return WrappedObjective(encoders, cfg)
 
     def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
-        const = self.models[cfg.model].constants
-        width = self.models[cfg.model].arch["joint_attention_dim"]
-        embeds = torch.randn(batch, const["max_sequence_length"], width, device=device)
+        cond = self.glue.random_conditions(self.models[cfg.model], batch, device)
         x = torch.randn(batch, *latent_shape, device=device)
-        return self.glue.forward_kwargs(model, x, torch.rand(batch, device=device), embeds, cfg)
+        return self.glue.forward_kwargs(model, x, torch.rand(batch, device=device), cond, cfg)
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, path: str) -> dict[str, torch.Tensor]:
@@ -275,14 +284,14 @@ class DiffusersFamily(LatentImageFamily):
         the noise from (seed, first index), the prompt embeddings from the family's encoder."""
         enc, (c, h, w) = loaded.encoders, loaded.latent_shape
         noise = torch.randn(len(indices), c, h, w, generator=sampling_generator(sample_cfg.seed, indices.start))
-        embeds = enc.encode([conditions[i % len(conditions)] for i in indices], device)
-        negative = enc.encode([sample_cfg.negative_prompt], device).expand_as(embeds)
+        cond = enc.encode([conditions[i % len(conditions)] for i in indices], device)
+        negative = {k: v.expand(len(indices), *v.shape[1:]) for k, v in enc.encode([sample_cfg.negative_prompt],
+                                                                                   device).items()}
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler)
         step = self.downsampling(loaded)
-        images = pipe(prompt_embeds=embeds, latents=noise.to(device), num_inference_steps=sampler.steps,
-                      height=h * step, width=w * step, output_type="np",
-                      **self.glue.pipeline_call(loaded, sample_cfg, embeds, negative, noise)).images
+        images = pipe(latents=noise.to(device), num_inference_steps=sampler.steps, height=h * step, width=w * step,
+                      output_type="np", **self.glue.pipeline_call(loaded, sample_cfg, cond, negative)).images
         return (np.asarray(images) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
 
     # ---- previews ------------------------------------------------------------------------------------------
@@ -291,8 +300,9 @@ class DiffusersFamily(LatentImageFamily):
 
     def preview_encoders(self, cfg, encoders: WrappedEncoders, conditions, dataset) -> WrappedEncoders:
         captions = list(dict.fromkeys([*conditions, "", ""]))
-        table = {c: e.cpu() for c, e in zip(captions, encoders.encode(captions, "cpu"))}
-        return dataclasses.replace(encoders, text=FixedEmbeddings(table))
+        found = encoders.encode(captions, "cpu")
+        table = {c: {k: v[i] for k, v in found.items()} for i, c in enumerate(captions)}
+        return dataclasses.replace(encoders, text=FixedPrompts(table))
 
 
 def _same(found, registered) -> bool | None:
