@@ -77,15 +77,21 @@ def test_bucketed_latent_cache_keeps_each_item_at_its_bucket_size(tmp_path):
                              buckets="32x32"))
 
 
-def test_captioned_photos_train_from_the_command_line_and_sample_non_square(tmp_path):
-    """The issue's acceptance: FLUX on a folder of portrait, landscape and square captioned photos, then a 32x16
-    sample."""
+@pytest.mark.parametrize("model", ["flux-debug", "flux2-klein-debug", "z-image-debug"])
+def test_captioned_photos_train_from_the_command_line_and_sample_non_square(tmp_path, model):
+    """The issue's acceptance: FLUX (and the diffusers-transformer models) on a folder of portrait, landscape and
+    square captioned photos, then a 32x16 sample."""
+    from opendit.families.wrapped.flux2 import save_tiny_qwen3
     from tests.test_flux_family import tiny_text_encoders
 
-    t5, clip = tiny_text_encoders(tmp_path / "encoders", words="all")
+    if model == "flux-debug":
+        t5, clip = tiny_text_encoders(tmp_path / "encoders", words="all")
+        text = ["--t5", t5, "--clip", clip]
+    else:
+        text = ["--text_encoder", save_tiny_qwen3(tmp_path / "qwen3", words="all")]
     data = mixed_shape_folder(tmp_path / "photos", shapes=SHAPES, repeat=4)
-    out = _run(["train.py", "--model", "flux-debug", "--dataset", "captions", "--data_path", str(data),
-                "--image_size", "16", "--buckets", "auto", "--t5", t5, "--clip", clip, "--batch_size", "4",
+    out = _run(["train.py", "--model", model, "--dataset", "captions", "--data_path", str(data),
+                "--image_size", "16", "--buckets", "auto", *text, "--batch_size", "4",
                 "--max_steps", "3", "--log_every", "1", "--num_workers", "0", "--outputs", str(tmp_path / "out")])
     assert "aspect-ratio buckets" in out.stderr + out.stdout
     _run(["sample.py", "--ckpt", "latest", "--outputs", str(tmp_path / "out"), "--prompts", "a picture 1",

@@ -200,3 +200,16 @@ def test_lean_options_run_and_resume_exactly(tmp_path, qwen, kw):
     assert resumed == full[2:]
     # bf16 weights and compressed states: close to plain AdamW in fp32; swapped and fused: the same arithmetic
     assert full == pytest.approx(plain, rel=0.01 if "mixed_precision" in kw else 1e-5)
+
+
+def test_options_the_pipeline_does_not_reach_are_refused_not_ignored():
+    from opendit.families import get_family
+    from opendit.parallel.plan import validate_sp
+    family = get_family("flux2")
+    cfg = cfglib.TrainConfig(model="flux2-klein-debug")
+    with pytest.raises(ValueError, match="--cache, --cfg_parallel, --vae_tiling: flux2-klein-debug samples and decodes "
+                                         "through its diffusers pipeline \\(Flux2KleinPipeline\\)"):
+        family.make_sampler(cfglib.SampleConfig(cache="teacache", cfg_parallel=True, vae_tiling=True), cfg)
+    spec = family.models["flux2-klein-debug"]
+    with pytest.raises(ValueError, match="implements no sequence parallelism; use 1"):
+        validate_sp(2, 2, "auto", spec.num_heads, kinds=spec.sp_kinds)

@@ -35,11 +35,12 @@ def test_wan_video_quality_smoke(tmp_path, recipe):
 
 
 @pytest.mark.slow
-def test_flux_quality_smoke(tmp_path):
-    out = cli("benchmarks/flux_quality.py", "--max_steps", "3", "--batch_size", "8", "--samples_per_digit", "1",
-              "--sampling_steps", "2", "--outputs", tmp_path)
+@pytest.mark.parametrize("model", ["flux-debug", "flux2-klein-debug"])
+def test_flux_quality_smoke(tmp_path, model):
+    out = cli("benchmarks/flux_quality.py", "--model", model, "--max_steps", "3", "--batch_size", "8",
+              "--samples_per_digit", "1", "--sampling_steps", "2", "--outputs", tmp_path)
     result = result_of(out)
-    assert 0 <= result["prompted_digit_accuracy"] <= 1 and result["samples"] == 10
+    assert 0 <= result["prompted_digit_accuracy"] <= 1 and result["samples"] == 10 and result["model"] == model
 
 
 @pytest.mark.slow

@@ -154,7 +154,7 @@ class DiffusersFamily(LatentImageFamily):
     def load_encoders(self, cfg, device, training: bool) -> WrappedEncoders:
         if is_none(cfg.text_encoder):
             raise ValueError(f"{cfg.model} needs --text_encoder <local folder> ({TEXT_HELP}); the demo makes a tiny "
-                             f"one: RECIPE=digits bash train_{self.name}.sh")
+                             f"one: RECIPE=digits bash train_diffusers.sh")
         text = self.glue.text_encoder(cfg.text_encoder, device, encoder_dtype(device), cfg.model)
         return WrappedEncoders(vae=self._vae(cfg, device), text=text, glue=self.glue)
 
@@ -270,9 +270,14 @@ class DiffusersFamily(LatentImageFamily):
         return prompt_conditions(sample_cfg, cfg.model)
 
     def make_sampler(self, sample_cfg, cfg) -> PipelineSampler:
-        if sample_cfg.cache != "none":
-            raise ValueError(f"--cache {sample_cfg.cache}: {cfg.model} samples through its diffusers pipeline, which "
-                             f"opendit's step caches do not hook yet; leave --cache out")
+        """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored."""
+        hooked = {"--cache": sample_cfg.cache != "none", "--cfg_parallel": sample_cfg.cfg_parallel,
+                  "--vae_tiling": sample_cfg.vae_tiling or sample_cfg.vae_tile_size is not None,
+                  "--parallel_decode": sample_cfg.parallel_decode}
+        if any(hooked.values()):
+            raise ValueError(f"{', '.join(k for k, v in hooked.items() if v)}: {cfg.model} samples and decodes "
+                             f"through its diffusers pipeline ({self.glue.pipeline_class}), which this option does "
+                             f"not reach yet; leave it out")
         return PipelineSampler(sample_cfg.num_sampling_steps)
 
     def sampling_encoders(self, cfg, encoders, device):
