@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.distributed import run_distributed, train_each
 from tests.test_train import run_trainer, save_tiny_vae
 from tests.test_video_family import cli, losses_of
 
@@ -136,36 +137,19 @@ def test_flux_dev_flops_per_sample_from_its_layers():
     assert flux_forward_macs(model, txt, img) == expected
 
 
-def _cli_common(encoders):
-    t5, clip = encoders
-    return ["--model", "flux-debug", "--dataset", "captioned_digits", "--image_size", "8", "--t5", t5, "--clip", clip,
-            "--batch_size", "4", "--max_steps", "3", "--log_every", "1", "--num_workers", "0"]
-
-
-@pytest.fixture(scope="module")
-def plain_losses(tmp_path_factory, encoders):
-    """The plain run's losses by process count, each run once for all the cases that compare with it."""
-    runs = {}
-
-    def losses(nproc):
-        if nproc not in runs:
-            out = tmp_path_factory.mktemp(f"flux_plain_{nproc}")
-            cli("train.py", *_cli_common(encoders), "--outputs", out, nproc=nproc)
-            runs[nproc] = losses_of(out / "000-flux-debug")
-        return runs[nproc]
-    return losses
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"],
-                                   ["--plugin", "hsdp", "--dp_replicate", "2"], ["--plugin", "gemini"],
-                                   ["--sequence_parallel_size", "2"]],
-                         ids=["zero2", "fsdp", "hsdp", "gemini", "sp2"])
-def test_two_process_runs_equal_ddp(tmp_path, encoders, plain_losses, flags):
-    # SP: both ranks see the same 4 samples, as one process does; the plugins shard them like 2-process ddp
-    ref = plain_losses(1 if flags[0] == "--sequence_parallel_size" else 2)
-    cli("train.py", *_cli_common(encoders), *flags, "--outputs", tmp_path / "run", nproc=2)
-    np.testing.assert_allclose(losses_of(tmp_path / "run" / "000-flux-debug"), ref, rtol=1e-4)
+def test_two_process_runs_equal_ddp(tmp_path, encoders):
+    """zero2, fsdp, hsdp and gemini at 2 ranks equal 2-rank ddp; sequence parallelism at 2 ranks (both ranks see the
+    same 4 samples) equals one process. The whole matrix runs in one spawned group."""
+    names = ["ddp", "zero2", "fsdp", "hsdp", "gemini", "sp2"]
+    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp"), dict(plugin="hsdp", dp_replicate=2), dict(plugin="gemini"),
+             dict(sequence_parallel_size=2)]
+    cases = [flux_cfg(tmp_path / n, encoders, **kw) for n, kw in zip(names, flags)]
+    losses = dict(zip(names, run_distributed(train_each, 2, cases)[0]))
+    _, one = run_trainer(flux_cfg(tmp_path / "one", encoders))
+    for name in names[1:-1]:
+        np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(losses["sp2"], one, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.distributed import run_distributed, train_each
 from tests.test_train import run_trainer
 from tests.test_video_family import cli, losses_of
 
@@ -176,43 +177,32 @@ def test_sample_defaults_follow_the_model():
     assert video.fps == 8
 
 
-@pytest.fixture(scope="module")
-def plain_losses(tmp_path_factory, umt5):
-    """The plain run's losses by process count, each run once for all the cases that compare with it."""
-    runs = {}
-
-    def losses(nproc):
-        if nproc not in runs:
-            out = tmp_path_factory.mktemp(f"wan_plain_{nproc}")
-            cli("train.py", *_cli_common(umt5), "--outputs", out, nproc=nproc)
-            runs[nproc] = losses_of(out / RUN)
-        return runs[nproc]
-    return losses
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--plugin", "zero2"], ["--plugin", "fsdp"],
-                                   ["--plugin", "hsdp", "--dp_replicate", "2"], ["--plugin", "gemini"],
-                                   ["--sequence_parallel_size", "2"]], ids=["zero2", "fsdp", "hsdp", "gemini", "sp2"])
-def test_two_process_runs_equal_ddp(tmp_path, umt5, plain_losses, flags):
-    # SP: both ranks see the same 4 samples, as one process does; the plugins shard them like 2-process ddp
-    ref = plain_losses(1 if flags[0] == "--sequence_parallel_size" else 2)
-    cli("train.py", *_cli_common(umt5), *flags, "--outputs", tmp_path / "run", nproc=2)
-    np.testing.assert_allclose(losses_of(tmp_path / "run" / RUN), ref, rtol=1e-4)
+def test_two_process_runs_equal_ddp(tmp_path, umt5):
+    """zero2, fsdp, hsdp and gemini at 2 ranks equal 2-rank ddp; sequence parallelism at 2 ranks (both ranks see the
+    same 4 samples) equals one process. The whole matrix runs in one spawned group."""
+    names = ["ddp", "zero2", "fsdp", "hsdp", "gemini", "sp2"]
+    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp"), dict(plugin="hsdp", dp_replicate=2), dict(plugin="gemini"),
+             dict(sequence_parallel_size=2)]
+    cases = [wan_cfg(tmp_path / n, umt5, **kw) for n, kw in zip(names, flags)]
+    losses = dict(zip(names, run_distributed(train_each, 2, cases)[0]))
+    _, one = run_trainer(wan_cfg(tmp_path / "one", umt5))
+    for name in names[1:-1]:
+        np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(losses["sp2"], one, rtol=1e-4)
 
 
 @pytest.mark.slow
 def test_both_experts_train_alike_under_the_plugins_and_sequence_parallel(tmp_path, umt5):
     """--expert both at 2 ranks: FSDP (one expert gathered per micro-batch, the other's gradients None) as DDP
     (unused parameters expected), and sequence parallelism as one process."""
-    both = [*_cli_common(umt5), "--model", "Wan2.2-I2V-debug", "--expert", "both", "--expert_boundary", "0.6"]
-    losses = {}
-    for name, flags, nproc in (("ddp", [], 2), ("fsdp", ["--plugin", "fsdp"], 2), ("one", [], 1),
-                               ("sp2", ["--sequence_parallel_size", "2"], 2)):
-        cli("train.py", *both, *flags, "--outputs", tmp_path / name, nproc=nproc)
-        losses[name] = losses_of(tmp_path / name / "000-Wan2.2-I2V-debug")
+    both = dict(model="Wan2.2-I2V-debug", expert="both", expert_boundary=0.6)
+    names, flags = ["ddp", "fsdp", "sp2"], [{}, dict(plugin="fsdp"), dict(sequence_parallel_size=2)]
+    cases = [wan_cfg(tmp_path / n, umt5, **both, **kw) for n, kw in zip(names, flags)]
+    losses = dict(zip(names, run_distributed(train_each, 2, cases)[0]))
+    _, one = run_trainer(wan_cfg(tmp_path / "one", umt5, **both))
     np.testing.assert_allclose(losses["fsdp"], losses["ddp"], rtol=1e-4)
-    np.testing.assert_allclose(losses["sp2"], losses["one"], rtol=1e-4)
+    np.testing.assert_allclose(losses["sp2"], one, rtol=1e-4)
 
 
 @pytest.mark.slow
