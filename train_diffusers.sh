@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Train a model through diffusers' own transformer (FLUX.2 [klein], Z-Image) under opendit's stack.
-# RECIPE=digits (the CPU demo: MODEL, default flux2-klein-debug, or z-image-debug, on 16 px captioned digits in pixel
-# space through a tiny random local Qwen3, made on first use) or RECIPE=lora (a rank-16 LoRA of a downloaded
-# pipeline folder, e.g. FLUX.2-klein-base-4B or Z-Image, on one GPU). NGPU, MODEL and extra flags come from the
-# environment / command line:
+# Train a model through diffusers' own transformer (FLUX.2 [klein], Z-Image, Qwen-Image) under opendit's stack.
+# RECIPE=digits (the CPU demo: MODEL, default flux2-klein-debug, or z-image-debug or qwen-image-debug, on 16 px
+# captioned digits in pixel space through a tiny random local Qwen3 / Qwen2.5-VL, made on first use) or RECIPE=lora (a
+# rank-16 LoRA of a downloaded pipeline folder, e.g. FLUX.2-klein-base-4B, Z-Image or Qwen-Image, on one GPU). NGPU,
+# MODEL and extra flags come from the environment / command line:
 #   RECIPE=digits bash train_diffusers.sh                                         # CPU demo, FLUX.2 [klein]
 #   RECIPE=digits MODEL=z-image-debug bash train_diffusers.sh                     # CPU demo, Z-Image
 #   RECIPE=lora MODEL=flux2-klein-4b PIPE=/models/FLUX.2-klein-base-4B DATA=/data/my_images bash train_diffusers.sh
@@ -15,14 +15,19 @@ RECIPE=${RECIPE:-digits}
 case "$RECIPE" in
   digits)
     MODEL=${MODEL:-flux2-klein-debug}
-    ENC=${ENC:-outputs/diffusers_demo_qwen3}
-    [ -f "$ENC/config.json" ] || python -m opendit.families.wrapped.flux2 "$ENC"
+    if [[ $MODEL == qwen-image* ]]; then  # its text encoder is Qwen2.5-VL
+      ENC=${ENC:-outputs/diffusers_demo_qwen25vl}
+      [ -f "$ENC/config.json" ] || python -m opendit.families.wrapped.qwenimage "$ENC"
+    else
+      ENC=${ENC:-outputs/diffusers_demo_qwen3}
+      [ -f "$ENC/config.json" ] || python -m opendit.families.wrapped.flux2 "$ENC"
+    fi
     set -- --model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --text_encoder "$ENC" \
       --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
       --num_workers 0 "$@" ;;
   lora)
-    MODEL=${MODEL:?set MODEL: flux2-klein-4b or z-image}
-    PIPE=${PIPE:?set PIPE to the model's local diffusers pipeline folder}
+    MODEL=${MODEL:?set MODEL: flux2-klein-4b, z-image or qwen-image}
+    PIPE=${PIPE:?set PIPE to a local diffusers pipeline folder of the model}
     set -- --model "$MODEL" --init_weights "$PIPE" --vae "$PIPE" --text_encoder "$PIPE" --scheduler "$PIPE" \
       --dataset captions --data_path "${DATA:?set DATA to a folder of images with .txt captions}" --image_size 1024 \
       --buckets auto --lora_rank 16 --batch_size "${BATCH:-1}" --lr 1e-4 --mixed_precision bf16 --grad_checkpoint 1 \

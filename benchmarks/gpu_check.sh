@@ -6,7 +6,7 @@
 #   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~6 min), in a second call
 # Part 1 (~7.5 min on an H200, 2026-12-04): DiT training and sampling throughput, kernels, optimizer offload,
 # the gpu-marked tests, the FID Inception, train.py / sample.py smoke runs (image and video), FLUX cached
-# sampling, the lean Wan2.1-1.3B step. Part 2 (~6 min): flux-dev (12B) rows, whose set-up reads a 24 GB base of
+# sampling, the lean Wan2.1-1.3B step, FLUX.2 [klein] and Z-Image LoRA steps. Part 2 (~6 min): flux-dev (12B) rows, whose set-up reads a 24 GB base of
 # zeros on the host: the LoRA step, the lean full fine-tune under 16 GiB, the lean Wan2.2-TI2V-5B step, the
 # planner's predicted vs measured peak.
 # Each stage's output lands under $WORK (default /tmp/gpu_check); $OUT/gpu_check.tgz holds all of it and is
@@ -96,6 +96,15 @@ stage 1 "$S" "FLUX cached sampling: flux-dev 1024px, 10 Euler steps, --cache non
 S=${WAN_S:-60}
 stage 1 "$S" "Wan: Wan2.1-T2V-1.3B 33 x 480 x 480 full fine-tune step (lean options; synthetic cache), vs wan_memory.py's plan" \
   && timeout "$S" python3 benchmarks/wan_lean_step.py --steps 3 --out "$WORK/wan_lean.md" 2>&1 | quiet | tail -8
+
+# diffusers' own transformers: the device has no diffusers; a carried .whl/ folder (benchmarks/README.md) brings it
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+S=${WRAPPED_S:-90}
+stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B LoRA 16 and Z-Image LoRA 16 steps at 1024px (random weights, synthetic conditions, bf16, checkpointing)" \
+  && { python3 -c "import diffusers" 2>/dev/null || echo "no diffusers here: carry its wheel in .whl/ (benchmarks/README.md)"; } \
+  && for m in flux2-klein-4b z-image; do timeout $((S / 2)) python3 benchmarks/wrapped_step.py --device cuda \
+  --model "$m" --image_size 1024 --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3; done
 
 # part 2: flux-dev (12B). The LoRA step writes the zero base (11 s) that the lean step and the planner reuse.
 BASE=/dev/shm/lora_step/base.safetensors

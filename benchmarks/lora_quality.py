@@ -45,7 +45,7 @@ def run_recipe(a, extra: list[str]) -> tuple[str, str, dict]:
     """RECIPE=lora_digits bash train_flux.sh into --outputs -> (base weights, LoRA checkpoint, seconds), as the
     recipe prints them."""
     out = Path(a.outputs).resolve()
-    encoders(out / "encoders")  # made here, in this process (the recipe would start two more for them)
+    encoders(out / "encoders", "flux-debug")  # made here, in this process (the recipe would start two more)
     env = {**os.environ, "RECIPE": "lora_digits", "OUT": str(out), "ENC": str(out / "encoders")}
     for name, value in (("BASE_STEPS", a.base_steps), ("LORA_STEPS", a.lora_steps), ("BATCH", a.batch_size)):
         if value is not None:

@@ -39,7 +39,9 @@ def test_help_shows_sections_help_defaults_and_choices(script):
         assert "--sampler {ddpm,ddim,euler,unipc}" in text and "DiT 250; video DiTs 250" in text
         assert "flux-schnell 4, other FLUX 50; Wan2.1 50" in text and "dsp (Latte)" in text
     if script == "preprocess.py":
-        assert "--family {dit,video,flux,wan,flux2,zimage,toy,shapes}" in text and "--dtype {float32,float16}" in text
+        # more than 8 choices: listed in the help, NAME in the usage
+        assert "one of: dit, video, flux, wan, flux2, zimage, qwenimage, toy, shapes" in text
+        assert "--dtype {float32,float16}" in text
 
 
 def test_choices_come_from_the_registries():

@@ -213,3 +213,16 @@ def test_options_the_pipeline_does_not_reach_are_refused_not_ignored():
     spec = family.models["flux2-klein-debug"]
     with pytest.raises(ValueError, match="implements no sequence parallelism; use 1"):
         validate_sp(2, 2, "auto", spec.num_heads, kinds=spec.sp_kinds)
+
+
+def test_the_demo_recipe_runs(tmp_path, qwen):
+    """README's line: RECIPE=digits bash train_diffusers.sh (its flags, a step of it; the tiny Qwen3 given)."""
+    import os
+    import subprocess
+
+    from tests.test_train import ROOT
+    out = subprocess.run(["bash", "train_diffusers.sh", "--max_steps", "1", "--batch_size", "4", "--outputs",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RECIPE": "digits", "ENC": qwen, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "000-flux2-klein-debug" / "checkpoints" / "step-000001").is_dir()

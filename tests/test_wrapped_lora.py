@@ -1,6 +1,6 @@
 """A LoRA file opendit writes for a diffusers-transformer model (FLUX.2 [klein], Z-Image) loads into the model's own
 diffusers pipeline (load_lora_weights) and samples what opendit's LoRA checkpoint samples; unloaded, the pipeline
-samples something else (the adapters mattered)."""
+samples something else (the adapters mattered). And gpu_check.sh's step benchmark of these models runs on the CPU."""
 import types
 
 import numpy as np
@@ -57,3 +57,16 @@ def test_a_lora_file_loads_into_the_pipeline_and_samples_the_same(tmp_path, qwen
     assert np.abs(ours.astype(int) - with_lora.astype(int)).max() <= 1
     pipe.unload_lora_weights()
     assert not np.array_equal(images(), with_lora)
+
+
+@pytest.mark.parametrize("model, rank", [("flux2-klein-debug", 4), ("z-image-debug", 0)])
+def test_the_gpu_step_benchmark_runs_on_cpu(model, rank):
+    """benchmarks/wrapped_step.py (gpu_check.sh's FLUX.2 / Z-Image rows) on the debug models: finite, and LoRA
+    trains only the adapters."""
+    from benchmarks.wrapped_step import step_figures
+
+    args = types.SimpleNamespace(model=model, image_size=16, lora_rank=rank, batch_size=2, steps=2, grad_checkpoint=1,
+                                 device="cpu")
+    found = step_figures(args)
+    assert np.isfinite(found["loss"]) and found["step_s"] > 0
+    assert (found["trainable"] < found["params"] / 4) if rank else found["trainable"] == found["params"]

@@ -28,16 +28,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['conte
 
 def chat_word_tokenizer(words, max_length: int = 512):
     """A word-level fast tokenizer with a Qwen-style chat template (<|im_start|>role text<|im_end|>, padding with
-    <|endoftext|>, nothing appended), for the tiny chat text encoders (Qwen3 as FLUX.2 [klein]'s) whose pipelines
-    format prompts with tokenizer.apply_chat_template. Words as t5_word_tokenizer takes them."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    <|endoftext|>, nothing appended), for the tiny Qwen text encoders of FLUX.2 [klein], Z-Image and Qwen-Image, whose
+    pipelines format prompts with tokenizer.apply_chat_template or a template of their own. Words as
+    t5_word_tokenizer takes them."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab_words = sorted({str(w).lower() for w in [*demo_words(words), "user", "assistant", "system"]})
+    vocab_words = sorted({str(w).lower() for w in [*demo_words(words), "user", "assistant", "system", "\n"]})
     vocab = {w: i for i, w in enumerate(CHAT_SPECIAL + vocab_words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # words, punctuation and each line break: a Qwen tokenizer's count of a template's tokens (Qwen-Image's
+    # pipeline drops its system prompt's first 34)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
     out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
                                   model_max_length=max_length)

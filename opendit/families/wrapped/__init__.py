@@ -1,10 +1,12 @@
 """Families whose model is diffusers' own transformer class (the diffusers-transformer kind, kind.py), one glue
-per model (glue.py's ModelGlue): FLUX.2 [klein] (flux2.py), Z-Image (zimage.py)."""
+per model (glue.py's ModelGlue): FLUX.2 [klein] (flux2.py), Z-Image (zimage.py), Qwen-Image (qwenimage.py)."""
 from opendit.families.wrapped.flux2 import Flux2KleinGlue
 from opendit.families.wrapped.kind import DiffusersFamily
+from opendit.families.wrapped.qwenimage import QwenImageGlue
 from opendit.families.wrapped.zimage import ZImageGlue
 
 FLUX2 = DiffusersFamily("flux2", Flux2KleinGlue())
 ZIMAGE = DiffusersFamily("zimage", ZImageGlue())
+QWENIMAGE = DiffusersFamily("qwenimage", QwenImageGlue())
 
-__all__ = ["FLUX2", "ZIMAGE", "DiffusersFamily"]
+__all__ = ["FLUX2", "QWENIMAGE", "ZIMAGE", "DiffusersFamily"]

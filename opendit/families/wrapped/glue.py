@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from opendit.checkpoint.folders import read_config
 from opendit.families.base import ModelSpec
 
 
@@ -45,26 +46,29 @@ def declare(model: nn.Module) -> nn.Module:
     return model
 
 
-def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str) -> Path:
-    """`path` itself when it holds config.json, else the first of its `subfolders` that does (a pipeline folder)."""
+def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str, marker: str = "config.json"
+                ) -> Path:
+    """`path` itself when it holds `marker`, else the first of its `subfolders` that does (a pipeline folder)."""
     root = Path(path)
     for folder in (root, *(root / s for s in subfolders)):
-        if (folder / "config.json").is_file():
+        if (folder / marker).is_file():
             return folder
-    raise FileNotFoundError(f"{flag} {path!r}: no {what} there (config.json, or a pipeline folder with "
+    raise FileNotFoundError(f"{flag} {path!r}: no {what} there ({marker}, or a pipeline folder with "
                             f"{' or '.join(s + '/' for s in subfolders)})")
 
 
 class PixelSpace(nn.Module):
     """Pixel space dressed as an autoencoder, so a diffusers pipeline samples a pixel-space model unchanged:
-    downsampling 1, scale 1 and shift 0 (and FLUX.2's batch-norm statistics zero mean and unit variance: normalising
-    is the identity), decode returns its input."""
+    downsampling 1, scale 1 and shift 0 (FLUX.2's batch-norm statistics and Qwen-Image's latent statistics zero
+    mean and unit variance: normalising is the identity), decode returns its input."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.config = types.SimpleNamespace(block_out_channels=(channels,), batch_norm_eps=0.0,
-                                            latent_channels=channels, scaling_factor=1.0, shift_factor=0.0)
+                                            latent_channels=channels, scaling_factor=1.0, shift_factor=0.0,
+                                            z_dim=channels, latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
         self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
+        self.temperal_downsample = []  # Qwen-Image's pipeline reads its downsampling from this
         self.register_buffer("anchor", torch.zeros(()), persistent=False)  # its device and dtype for the pipeline
 
     @property
@@ -86,19 +90,21 @@ class TextEncoder:
     tokenizer: object
     max_length: int
     layers: tuple[int, ...] = ()  # hidden-state layers the prompt embedding stacks (FLUX.2)
+    pipeline: object = None  # a pipeline holding this encoder, whose own encoding a glue runs (Qwen-Image)
 
 
-def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, layers=(),
-                      model_dir=("text_encoder",), tokenizer_dir=("tokenizer",)) -> TextEncoder:
-    """A transformers text encoder from `path`: a folder holding the model and its tokenizer, or a pipeline folder
-    (its text_encoder/ and tokenizer/)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, layers=()) -> TextEncoder:
+    """A transformers text encoder (the class its config.json names) and its tokenizer from `path`: one folder
+    holding both, or a pipeline folder (its text_encoder/ and tokenizer/)."""
+    import transformers
 
-    folder = find_folder(path, model_dir, "text encoder", "--text_encoder")
-    tok = folder if (folder / "tokenizer_config.json").is_file() else find_folder(path, tokenizer_dir, "tokenizer",
-                                                                                  "--text_encoder")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval().requires_grad_(False)
-    return TextEncoder(model, AutoTokenizer.from_pretrained(tok), max_length, tuple(layers))
+    folder = find_folder(path, ("text_encoder",), "text encoder", "--text_encoder")
+    tok = find_folder(folder if (folder / "tokenizer_config.json").is_file() else path, ("tokenizer",), "tokenizer",
+                      "--text_encoder", marker="tokenizer_config.json")
+    named = (read_config(folder).get("architectures") or ["AutoModelForCausalLM"])[0]
+    model_class = getattr(transformers, named, transformers.AutoModelForCausalLM)
+    model = model_class.from_pretrained(folder, dtype=dtype).to(device).eval().requires_grad_(False)
+    return TextEncoder(model, transformers.AutoTokenizer.from_pretrained(tok), max_length, tuple(layers))
 
 
 class ModelGlue:
@@ -119,6 +125,8 @@ class ModelGlue:
     # (diffusers.loaders.single_file_utils)
     official_key: str = ""
     official_converter: str = ""
+    # config keys the run decides (from its latent channels), not compared when naming a diffusers folder's model
+    run_keys: tuple[str, ...] = ("in_channels",)
 
     def convert_official(self, state: dict) -> dict:
         from diffusers.loaders import single_file_utils
@@ -130,6 +138,11 @@ class ModelGlue:
 
     def build(self, **config) -> nn.Module:
         return declare(self.transformer_type()(**config))
+
+    def unused_parameters(self, model) -> list[str]:
+        """Parameters the forward computes with but whose result it discards (they never get a gradient): frozen, so
+        every plugin and the optimizer's checkpoint treat the model as fully used."""
+        return []
 
     def text_encoder(self, path: str, device, dtype, model: str) -> TextEncoder:
         raise NotImplementedError
@@ -143,6 +156,18 @@ class ModelGlue:
         import diffusers
         folder = find_folder(path, ("vae",), "autoencoder", "--vae")
         return getattr(diffusers, self.vae_class).from_pretrained(folder).to(device).eval().requires_grad_(False)
+
+    def vae_geometry(self, vae) -> tuple[int, int]:
+        """(spatial downsampling, latent channels) of the model's VAE (or PixelSpace, or the memory planner's stand-in
+        holding the config of the family's usual VAE)."""
+        return 2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels
+
+    def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [-1, 1] -> one posterior sample [B, C, h, w] float32 (mean + std * randn from the
+        global RNG)."""
+        from opendit.encoders.vae import posterior_sample
+        posterior = vae.encode(images.to(next(vae.parameters()).dtype)).latent_dist
+        return posterior_sample(posterior.mean, posterior.std).float()
 
     def to_model_space(self, vae, z: torch.Tensor) -> torch.Tensor:
         """VAE latents (a posterior sample; pixels for PixelSpace) [B, C, h, w] -> what the model denoises,
@@ -165,6 +190,10 @@ class ModelGlue:
     def pipeline(self, model, vae, scheduler_folder: str | None):
         """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in)."""
         raise NotImplementedError
+
+    def pipeline_latents(self, noise: torch.Tensor) -> torch.Tensor:
+        """The noise [B, C', h', w'] as the pipeline's `latents` argument takes it."""
+        return noise
 
     def pipeline_call(self, loaded, sample_cfg, cond: dict, negative: dict) -> dict:
         """The pipeline's __call__ keyword arguments beyond latents, steps, size and output type: the prompts'

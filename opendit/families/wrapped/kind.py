@@ -21,11 +21,9 @@ from safetensors import safe_open
 
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
-
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
-from opendit.encoders.vae import posterior_sample
 from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
@@ -41,7 +39,7 @@ class WrappedTrainOptions:
     text_encoder: str = opt("none", TEXT_HELP + ", required")
     caption_dropout_prob: float = opt(0.1, "a caption's embedding is replaced by the empty caption's this often "
                                            "(classifier-free guidance)", check="prob")
-    timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, then the time shift",
+    timestep_sampling: str = opt("logit_normal", "training t ~ sigmoid(N(0, 1)) or uniform, unshifted",
                                  TIMESTEP_SAMPLINGS)
     scheduler: str | None = opt(None, "a diffusers pipeline folder (or its scheduler/) whose sampling schedule "
                                       "samples this model; default: the model's release settings")
@@ -94,12 +92,7 @@ class WrappedObjective:
     def prepare(self, batch, device, train: bool = True):
         images = batch[0].to(device, non_blocking=True)
         vae = self.encoders.vae
-        if isinstance(vae, PixelSpace):
-            z = images
-        else:
-            param = next(vae.parameters())
-            posterior = vae.encode(images.to(param.dtype)).latent_dist
-            z = posterior_sample(posterior.mean, posterior.std).float()
+        z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
         x = self.glue.to_model_space(vae, z).float()
         cond = self.encoders.encode(list(batch[1]), device)
         p = self.cfg.caption_dropout_prob if train else 0.0
@@ -180,9 +173,8 @@ class DiffusersFamily(LatentImageFamily):
         glue packs before the model)."""
         return self._downsampling(loaded.encoders.vae) * self.glue.outside_patch
 
-    @staticmethod
-    def _downsampling(vae) -> int:
-        return 2 ** (len(vae.config.block_out_channels) - 1)
+    def _downsampling(self, vae) -> int:
+        return self.glue.vae_geometry(vae)[0]
 
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
@@ -192,10 +184,12 @@ class DiffusersFamily(LatentImageFamily):
             raise ValueError(f"--image_size {cfg.image_size} must be a multiple of {down * patch} (the VAE's "
                              f"downsampling x {cfg.model}'s {patch}x{patch} patches)")
         side = cfg.image_size // (down * packed)
-        return vae.config.latent_channels * packed * packed, side, side
+        return self.glue.vae_geometry(vae)[1] * packed * packed, side, side
 
     def build_model(self, cfg, latent_shape):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
+        for name in self.glue.unused_parameters(model):
+            model.get_parameter(name).requires_grad_(False)
         # (text, image) tokens per sample, for the FLOP count
         h, w = (side * self.glue.outside_patch // self.glue.patch for side in latent_shape[1:])
         model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), h * w)
@@ -248,7 +242,8 @@ class DiffusersFamily(LatentImageFamily):
         if folder is None:
             return None if not self._is_official(path) else (dict(dataset="captions", image_size=1024), None)
         config = read_config(folder)
-        differ = {n: [k for k, v in spec.arch.items() if k != "in_channels" and _same(config.get(k), v) is False]
+        differ = {n: [k for k, v in spec.arch.items()
+                      if k not in self.glue.run_keys and _same(config.get(k), v) is False]
                   for n, spec in self.models.items()}
         name = next((n for n, keys in differ.items() if not keys), None)
         if name is None:
@@ -295,8 +290,9 @@ class DiffusersFamily(LatentImageFamily):
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler)
         step = self.downsampling(loaded)
-        images = pipe(latents=noise.to(device), num_inference_steps=sampler.steps, height=h * step, width=w * step,
-                      output_type="np", **self.glue.pipeline_call(loaded, sample_cfg, cond, negative)).images
+        images = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
+                      height=h * step, width=w * step, output_type="np",
+                      **self.glue.pipeline_call(loaded, sample_cfg, cond, negative)).images
         return (np.asarray(images) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
 
     # ---- previews ------------------------------------------------------------------------------------------
