@@ -22,7 +22,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "peft"],  # peft: diffusers loads LoRA files through it
+        # peft: diffusers loads LoRA files through it; pytest-xdist: README's test command runs two workers
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff==0.17.5", "peft"],
         "kernels": ["triton"],
         "video": ["av"],
     },

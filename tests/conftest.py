@@ -6,6 +6,10 @@ import torch
 # Triton kernels run on the CPU through the interpreter; set before any triton import.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# README's command runs two pytest-xdist workers on the 2-core machines: one intra-op thread each, or their threads
+# fight over the cores (tiny ops then run 100x slower)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
