@@ -65,7 +65,7 @@ def step_figures(a) -> dict:
         times.append(time.perf_counter() - t0)
     return dict(model=a.model, image_size=a.image_size, lora_rank=a.lora_rank, batch=a.batch_size,
                 params=sum(p.numel() for p in model.parameters()), trainable=sum(p.numel() for p in trainable),
-                step_s=statistics.median(times[1:] or times), loss=float(loss),
+                step_s=statistics.median(times[1:] or times), loss=float(loss.detach()),
                 peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"))
 
 

@@ -49,6 +49,8 @@ def _klein():
 class Flux2KleinGlue(ModelGlue):
     transformer_class = "Flux2Transformer2DModel"
     pipeline_class = "Flux2KleinPipeline"
+    scheduler_config = SCHEDULER
+    pipeline_options = {"is_distilled": False}  # the base models, which fine-tune and sample with true CFG
     vae_class = "AutoencoderKLFlux2"
     vae_channels, vae_params = 32, 84e6  # about: 8x down, 32 channels (128 in 2x2 patches)
     models = FLUX2_MODELS
@@ -107,15 +109,6 @@ class Flux2KleinGlue(ModelGlue):
             return img_tokens
         blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
         return matmul_macs(model, rows_of) + blocks * 2 * joint * joint * model.inner_dim
-
-    def pipeline(self, model, vae, scheduler_folder):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
-                     else FlowMatchEulerDiscreteScheduler(**SCHEDULER))
-        pipe = _klein()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=model,
-                        is_distilled=False)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
 
     def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         const = self.models[loaded.cfg.model].constants

@@ -113,6 +113,8 @@ class ModelGlue:
     training recipe followed, in words). Methods below."""
     transformer_class: str = ""
     pipeline_class: str = ""
+    pipeline_options: dict = {}  # the pipeline's constructor arguments beyond its components
+    scheduler_config: dict = {}  # FlowMatchEulerDiscreteScheduler's settings of the release
     vae_class: str = "AutoencoderKL"
     vae_channels, vae_params = 4, 83_653_863  # the usual VAE's, for the memory planner (SD's AutoencoderKL)
     models: dict = {}
@@ -188,8 +190,16 @@ class ModelGlue:
         raise NotImplementedError
 
     def pipeline(self, model, vae, scheduler_folder: str | None):
-        """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in)."""
-        raise NotImplementedError
+        """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in), with the
+        scheduler of `scheduler_folder`, else of `scheduler_config` (the release's settings)."""
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
+                     else FlowMatchEulerDiscreteScheduler(**self.scheduler_config))
+        pipe = getattr(diffusers, self.pipeline_class)(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                                                       transformer=model, **self.pipeline_options)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def pipeline_latents(self, noise: torch.Tensor) -> torch.Tensor:
         """The noise [B, C', h', w'] as the pipeline's `latents` argument takes it."""

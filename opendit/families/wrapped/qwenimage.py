@@ -51,6 +51,7 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
 class QwenImageGlue(ModelGlue):
     transformer_class = "QwenImageTransformer2DModel"
     pipeline_class = "QwenImagePipeline"
+    scheduler_config = SCHEDULER
     vae_class = "AutoencoderKLQwenImage"
     vae_channels, vae_params = 16, 126.9e6  # about: its causal 3-D autoencoder
     models = QWEN_IMAGE_MODELS
@@ -132,14 +133,6 @@ class QwenImageGlue(ModelGlue):
                 return txt_tokens
             return img_tokens
         return matmul_macs(model, rows_of) + len(model.transformer_blocks) * 2 * joint * joint * model.inner_dim
-
-    def pipeline(self, model, vae, scheduler_folder):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
-                     else FlowMatchEulerDiscreteScheduler(**SCHEDULER))
-        pipe = _pipeline()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=model)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
 
     def pipeline_latents(self, noise):
         return _pack(noise)

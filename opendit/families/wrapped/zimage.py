@@ -46,6 +46,7 @@ def _unpadded(cond: dict) -> list[torch.Tensor]:
 class ZImageGlue(ModelGlue):
     transformer_class = "ZImageTransformer2DModel"
     pipeline_class = "ZImagePipeline"
+    scheduler_config = SCHEDULER
     vae_channels, vae_params = 16, 83_819_683  # FLUX.1's autoencoder
     outside_patch = 1  # the model patches its latents itself
     models = ZIMAGE_MODELS
@@ -108,14 +109,6 @@ class ZImageGlue(ModelGlue):
         attention = (len(model.noise_refiner) * img_tokens ** 2 + len(model.context_refiner) * txt_tokens ** 2
                      + len(model.layers) * joint ** 2)
         return matmul_macs(model, rows_of) + 2 * attention * model.dim
-
-    def pipeline(self, model, vae, scheduler_folder):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
-                     else FlowMatchEulerDiscreteScheduler(**SCHEDULER))
-        pipe = _pipeline()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=model)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
 
     def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         return dict(prompt_embeds=_unpadded(cond), negative_prompt_embeds=_unpadded(negative),
