@@ -120,11 +120,15 @@ def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_pat
     run_trainer(qwen_cfg(base, qwen25vl, max_steps=2))
     lora = dict(lora_rank=4, ema_decay=0.0,
                 init_weights=str(base / "000-qwen-image-debug" / "checkpoints" / "step-000002" / "ema.safetensors"))
-    names = ["ddp", "zero2", "fsdp-checkpointed", "ddp-lora", "fsdp-lora"]
-    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp", grad_checkpoint=1), lora, dict(plugin="fsdp", **lora)]
+    names = ["ddp", "zero2", "fsdp-checkpointed", "ddp-lora", "fsdp-lora", "sp2-fsdp-checkpointed"]
+    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp", grad_checkpoint=1), lora, dict(plugin="fsdp", **lora),
+             dict(sequence_parallel_size=2, plugin="fsdp", grad_checkpoint=1)]
     losses = dict(zip(names, run_distributed(train_each, 2, [qwen_cfg(tmp_path / n, qwen25vl, **kw)
                                                              for n, kw in zip(names, flags)])[0]))
     for name in ("zero2", "fsdp-checkpointed"):
         np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
     np.testing.assert_allclose(losses["fsdp-lora"], losses["ddp-lora"], rtol=1e-4)
     assert losses["ddp-lora"] != losses["ddp"]
+    # sequence parallelism: both ranks see the same 4 samples, as one process does
+    _, one = run_trainer(qwen_cfg(tmp_path / "one", qwen25vl))
+    np.testing.assert_allclose(losses["sp2-fsdp-checkpointed"], one, rtol=1e-5)

@@ -89,6 +89,12 @@ def test_docs_plan_table_matches_what_models_declare():
         assert kinds == ", ".join(plan.kinds) and split == ", ".join(plan.split), name
         assert replicated == ", ".join(plan.replicated), name
         assert not {"enable_sequence_parallel", "set_kernels"} & set(vars(cls)), f"{name} hand-writes a switch"
+    from opendit.families.wrapped.flux2 import Flux2KleinGlue
+    from opendit.families.wrapped.qwenimage import QwenImageGlue
+    for name, glue in (("FLUX.2 [klein]", Flux2KleinGlue), ("Qwen-Image", QwenImageGlue)):
+        kinds, _, split, replicated = rows[name]
+        plan = glue.parallel_plan
+        assert (kinds, split, replicated) == tuple(", ".join(v) for v in (plan.kinds, plan.split, plan.replicated))
 
 
 def test_a_model_without_a_plan_names_the_fix():

@@ -10,8 +10,10 @@ A model class states its plan instead of coding a switch:
 `enable_sequence_parallel(model, group, kind)` checks the kind against the plan, builds the hook (a
 `SequenceParallel` for FastSeq / Ulysses, a `DynamicSequenceParallel` for DSP) and hands it to the model
 (`model.sequence_parallel`, which its forward reads to split and gather around the blocks) and to every
-attention layer the plan names. Nothing else is per model.
+attention layer the plan names. Nothing else is per model. A model whose own library splits its sequence (a
+diffusers transformer's context-parallel plan) names that code as the plan's `apply` instead.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opendit.parallel.attention import SequenceParallel
@@ -26,19 +28,22 @@ class ParallelPlan:
     positions for temporal ones). attention: the layer classes that attend across the split sequence; each gets
     the hook as `.sequence_parallel`. split / replicated: what the forward splits along the sequence and what every
     rank of the group keeps whole, in words (the run log shows them). heads: the model attribute holding the head
-    count the head-split methods divide (None: the registry's num_heads is checked before the run instead)."""
+    count the head-split methods divide (None: the registry's num_heads is checked before the run instead).
+    apply: for a model that is split by its own code rather than by opendit's hook, apply(model, group, kind) sets
+    that up and returns what `model.sequence_parallel` holds (its `size` and `kind`)."""
     kinds: tuple[str, ...] = HEAD_KINDS
     attention: tuple[type, ...] = ()
     split: tuple[str, ...] = ()
     replicated: tuple[str, ...] = ()
     heads: str | None = None
+    apply: Callable | None = None
 
     def describe(self) -> str:
         return f"split: {', '.join(self.split) or '-'}; replicated: {', '.join(self.replicated) or '-'}"
 
 
 def plan_of(model) -> ParallelPlan:
-    plan = getattr(type(model), "parallel_plan", None)
+    plan = getattr(model, "parallel_plan", None)
     if plan is None:
         raise TypeError(f"{type(model).__name__} declares no parallel_plan (opendit.parallel.ParallelPlan), so "
                         f"its sequence cannot be split; run it with --sequence_parallel_size 1")
@@ -55,6 +60,8 @@ def enable_sequence_parallel(model, group, kind: str = "auto", counter=None):
                          f"does not apply; use {' or '.join(map(repr, plan.kinds))} or 'auto'")
     if group is None:
         sp = None
+    elif plan.apply is not None:
+        sp = plan.apply(model, group, kind)
     elif plan.kinds == ("dsp",):
         sp = DynamicSequenceParallel(group, counter)
     else:

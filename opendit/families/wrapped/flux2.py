@@ -17,6 +17,7 @@ import argparse
 import torch
 
 from opendit.perf import matmul_macs
+from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
 
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
@@ -54,6 +55,7 @@ class Flux2KleinGlue(ModelGlue):
     vae_class = "AutoencoderKLFlux2"
     vae_channels, vae_params = 32, 84e6  # about: 8x down, 32 channels (128 in 2x2 patches)
     models = FLUX2_MODELS
+    parallel_plan = diffusers_plan(split=("image tokens and their ids", "text tokens and their ids"))
     # attention and feed-forward Linears of both streams and of the single blocks (diffusers' names)
     lora_targets = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
                     r"ff(_context)?\.linear_(in|out))|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")

@@ -38,11 +38,11 @@ def block_lists(model: nn.Module) -> tuple[str, ...]:
     return found
 
 
-def declare(model: nn.Module) -> nn.Module:
-    """A diffusers transformer with what opendit.families.DiffusionModel asks (its block lists, no parallel plan
-    of opendit's): the same class and state_dict keys, so save_pretrained and diffusers' pipelines still take it."""
+def declare(model: nn.Module, parallel_plan=None) -> nn.Module:
+    """A diffusers transformer with what opendit.families.DiffusionModel asks (its block lists, its parallel plan):
+    the same class and state_dict keys, so save_pretrained and diffusers' pipelines still take it."""
     model._block_lists = block_lists(model)
-    model.parallel_plan = None
+    model.parallel_plan = parallel_plan
     return model
 
 
@@ -110,7 +110,8 @@ def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, la
 class ModelGlue:
     """One diffusers transformer class's glue. Class attributes: `transformer_class` and `pipeline_class` (diffusers
     names), `models` {name: WrappedSpec}, `lora_targets` (a regex over the diffusers module names), `recipe` (the
-    training recipe followed, in words). Methods below."""
+    training recipe followed, in words), `parallel_plan` (how its sequence is split; None: it is not). Methods
+    below. A glue is its models' constructor: glue(**config) builds the transformer."""
     transformer_class: str = ""
     pipeline_class: str = ""
     pipeline_options: dict = {}  # the pipeline's constructor arguments beyond its components
@@ -118,6 +119,7 @@ class ModelGlue:
     vae_class: str = "AutoencoderKL"
     vae_channels, vae_params = 4, 83_653_863  # the usual VAE's, for the memory planner (SD's AutoencoderKL)
     models: dict = {}
+    parallel_plan = None  # an opendit.parallel.ParallelPlan (context_parallel.diffusers_plan) or None
     lora_targets: str = ""
     recipe: str = ""
     patch: int = 2  # latent positions per token side
@@ -138,8 +140,12 @@ class ModelGlue:
         import diffusers
         return getattr(diffusers, self.transformer_class)
 
-    def build(self, **config) -> nn.Module:
-        return declare(self.transformer_type()(**config))
+    def __call__(self, **config) -> nn.Module:
+        return declare(self.transformer_type()(**config), self.parallel_plan)
+
+    @property
+    def __name__(self) -> str:  # as a class constructor's: the help texts name the model class
+        return self.transformer_class
 
     def unused_parameters(self, model) -> list[str]:
         """Parameters the forward computes with but whose result it discards (they never get a gradient): frozen, so

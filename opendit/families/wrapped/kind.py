@@ -126,7 +126,7 @@ class DiffusersFamily(LatentImageFamily):
 
     def __init__(self, name: str, glue: ModelGlue):
         self.name, self.glue = name, glue
-        self.models = {n: dataclasses.replace(spec, constructor=glue.build) for n, spec in glue.models.items()}
+        self.models = {n: dataclasses.replace(spec, constructor=glue) for n, spec in glue.models.items()}
         self.lora_targets = glue.lora_targets
         self.vae_channels, self.vae_params = glue.vae_channels, glue.vae_params
         self.defaults_help = {"sampler": f"{name}: its diffusers pipeline ({glue.pipeline_class})"}

@@ -12,6 +12,7 @@ rescales the guided prediction to the conditional one's norm.
 """
 import torch
 
+from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
 from opendit.perf import matmul_macs
 
@@ -56,13 +57,14 @@ class QwenImageGlue(ModelGlue):
     vae_channels, vae_params = 16, 126.9e6  # about: its causal 3-D autoencoder
     models = QWEN_IMAGE_MODELS
     run_keys = ("in_channels", "out_channels")  # both from the latent channels
+    parallel_plan = diffusers_plan(split=("image tokens", "text tokens and their mask", "RoPE tables"))
     # attention of both streams and the image MLP; not the text stream's outputs (to_add_out, txt_mlp), which the
     # last block computes for nothing (its text tokens are dropped): adapters there would never get a gradient
     lora_targets = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj)|img_mlp\.net\.(0\.proj|2))"
     recipe = ("diffusers' Qwen-Image DreamBooth LoRA example: x_t = (1 - t) x + t noise, target noise - x, plain MSE")
 
-    def build(self, **config):
-        model = super().build(**{**config, "out_channels": config["in_channels"] // 4})
+    def __call__(self, **config):
+        model = super().__call__(**{**config, "out_channels": config["in_channels"] // 4})
         rope = model.pos_embed  # its frequency tables are plain tensors, not buffers: built on the meta device (a
         if rope.pos_freqs.is_meta:  # model a file fills), nothing would fill them; they are computed on the host
             with torch.device("cpu"):

@@ -1,0 +1,101 @@
+"""Sequence parallelism of a diffusers transformer through diffusers' own context-parallel plan (the class's
+`_cp_plan`: which inputs are split along the sequence, which output is gathered) and its Ulysses attention (q, k, v
+all-to-all to whole heads, attention, all-to-all back), with opendit's process group and gradient convention.
+
+What opendit adds to diffusers' `enable_parallelism`:
+- a device mesh over opendit's sequence-parallel groups (consecutive ranks), also on the CPU (diffusers picks a
+  CUDA device by rank);
+- the gradient convention: diffusers' output gather passes back each rank's own chunk of the gradient, opendit's
+  (opendit.parallel.gather_seq) the sum over the group; every plugin then averages over the group (see
+  opendit.booster.mesh.shard_mesh), so the gathered output's gradient is multiplied by the group size here;
+- an error naming the sizes when a sequence does not split evenly (diffusers' Ulysses needs equal chunks, and its
+  uneven variant needs all-gathers of unequal sizes, which gloo lacks).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from opendit.parallel.model_plan import ParallelPlan
+
+SPLIT_INPUTS = ("hidden_states", "encoder_hidden_states")  # the forward's token sequences [B, L, D]
+
+
+@dataclass
+class DiffusersUlysses:
+    """What `model.sequence_parallel` holds while diffusers' context parallelism is on."""
+    group: object
+    size: int
+    kind: str = "ulysses"
+
+    def __deepcopy__(self, memo):  # process groups cannot be copied; a copy of the model shares them
+        return self
+
+
+class _GradTimes(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor: int):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUlysses:
+    """Split `model`'s token sequences over `group` with diffusers' context-parallel plan and Ulysses attention (the
+    one kind: `kind` is "ulysses" or "auto")."""
+    from diffusers import ContextParallelConfig
+    from diffusers.hooks.context_parallel import ContextParallelOutput, apply_context_parallel
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size, world = dist.get_world_size(group), dist.get_world_size()
+    heads = model.config.num_attention_heads
+    if heads % size:
+        raise ValueError(f"--sequence_parallel_size {size} does not divide {type(model).__name__}'s {heads} attention "
+                         f"heads (Ulysses gives each rank whole heads)")
+    cuda = dist.get_backend(group) == "nccl"
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // size, 1, size),
+                            mesh_dim_names=("sp_replica", "ring", "ulysses"))  # a collective: every rank builds it
+    if mesh["ulysses"].mesh.tolist() != dist.get_process_group_ranks(group):
+        raise ValueError(f"the sequence-parallel group {dist.get_process_group_ranks(group)} is not a run of "
+                         f"consecutive ranks, which diffusers' context-parallel mesh lays out")
+    cp = ContextParallelConfig(ulysses_degree=size, mesh=mesh["ring", "ulysses"])
+    config = ParallelConfig(context_parallel_config=cp)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    config.setup(dist.get_rank(), world, device, mesh=cp.mesh)
+    model._parallel_config = config
+    for module in model.modules():  # the attention processors: each dispatches to Ulysses attention
+        if hasattr(getattr(module, "processor", None), "_parallel_config"):
+            module.processor._parallel_config = config
+    apply_context_parallel(model, cp, model._cp_plan)
+
+    def check_split(module, args, kwargs):
+        for name in SPLIT_INPUTS:
+            x = kwargs.get(name)
+            if x is not None and x.shape[1] % size:
+                raise ValueError(f"sequence parallelism over {size} ranks splits {name} ({x.shape[1]} tokens) into "
+                                 f"equal chunks: choose image sizes (buckets) and a text length whose token counts "
+                                 f"are multiples of {size}, or a --sequence_parallel_size that divides them")
+
+    def times_size(module, args, out):
+        return _GradTimes.apply(out, size) if torch.is_grad_enabled() else out
+
+    gathered = [name for name, entry in model._cp_plan.items() if isinstance(entry, ContextParallelOutput)]
+    if not gathered:
+        raise TypeError(f"{type(model).__name__}'s context-parallel plan gathers no single output opendit can scale "
+                        f"the gradient of; its sequence cannot be split by opendit")
+    model.register_forward_pre_hook(check_split, with_kwargs=True)
+    for name in gathered:  # runs after diffusers' gather of that module's output
+        model.get_submodule(name).register_forward_hook(times_size)
+    return DiffusersUlysses(group, size)
+
+
+def diffusers_plan(split: tuple[str, ...]) -> ParallelPlan:
+    """The parallel plan of a diffusers transformer class with a `_cp_plan` whose forward takes SPLIT_INPUTS."""
+    return ParallelPlan(kinds=("ulysses",), split=split, replicated=("time embedding", "modulation"),
+                        apply=apply_diffusers_ulysses)
