@@ -1,7 +1,8 @@
-"""A training step of a diffusers-transformer model (FLUX.2 [klein], Z-Image) under opendit's layers of the step:
-the family's model (diffusers' class, random weights), LoRA adapters or a full fine-tune, activation checkpointing
-per block, bf16 autocast, AdamW; the loss is the family's own (its glue's forward arguments and velocity) on
-synthetic latents and prompt embeddings of the release's shapes (no weights or text encoder are read).
+"""A training step of a diffusers-transformer model (FLUX.2 [klein], Z-Image, Qwen-Image, HunyuanVideo-1.5) under
+opendit's layers of the step: the family's model (diffusers' class, random weights), LoRA adapters or a full
+fine-tune, activation checkpointing per block, bf16 autocast, AdamW; the loss is the family's own (its glue's
+forward arguments and velocity) on synthetic latents and prompt embeddings of the release's shapes (no weights or
+text encoder are read).
 
     python benchmarks/wrapped_step.py --device cuda --model flux2-klein-4b --image_size 1024 --lora_rank 16
     python benchmarks/wrapped_step.py --device cuda --model z-image --image_size 1024
@@ -31,8 +32,9 @@ def step_figures(a) -> dict:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     family = family_of(a.model)
+    files = next(name for name, spec in family.datasets.items() if not spec.built_in)  # captions of the usual VAE
     cfg = family.resolve_config(cfglib.TrainConfig(model=a.model, image_size=a.image_size, lora_rank=a.lora_rank,
-                                                   dataset="captions", vae="auto"))
+                                                   dataset=files, vae="auto"))
     shape = family.memory_probe(cfg, device).latent_shape
     torch.manual_seed(0)
     with torch.device(device):

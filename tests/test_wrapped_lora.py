@@ -59,10 +59,11 @@ def test_a_lora_file_loads_into_the_pipeline_and_samples_the_same(tmp_path, qwen
     assert not np.array_equal(images(), with_lora)
 
 
-@pytest.mark.parametrize("model, rank", [("flux2-klein-debug", 4), ("z-image-debug", 0)])
+@pytest.mark.parametrize("model, rank", [("flux2-klein-debug", 4), ("z-image-debug", 0), ("qwen-image-debug", 4),
+                                         ("hunyuanvideo1.5-debug", 4)])
 def test_the_gpu_step_benchmark_runs_on_cpu(model, rank):
-    """benchmarks/wrapped_step.py (gpu_check.sh's FLUX.2 / Z-Image rows) on the debug models: finite, and LoRA
-    trains only the adapters."""
+    """benchmarks/wrapped_step.py (gpu_check.sh's FLUX.2 / Z-Image / Qwen-Image rows) on the debug models: finite,
+    and LoRA trains only the adapters."""
     from benchmarks.wrapped_step import step_figures
 
     args = types.SimpleNamespace(model=model, image_size=16, lora_rank=rank, batch_size=2, steps=2, grad_checkpoint=1,

@@ -16,7 +16,7 @@ from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
 from opendit.families.wan import WanFamily
-from opendit.families.wrapped import FLUX2, QWENIMAGE, ZIMAGE
+from opendit.families.wrapped import FLUX2, HUNYUANVIDEO15, QWENIMAGE, ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -81,6 +81,7 @@ register_family(WanFamily())
 register_family(FLUX2)
 register_family(ZIMAGE)
 register_family(QWENIMAGE)
+register_family(HUNYUANVIDEO15)
 for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
     importlib.import_module(_module)  # registers itself
 

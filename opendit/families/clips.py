@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from opendit.data import MOVING_DIGITS
 from opendit.families.writers import VideoWriter
 from opendit.options import opt
 
@@ -47,6 +48,14 @@ class ClipFamily:
         for count in frames:  # the same errors as a --num_frames the model cannot take
             self.latent_shape(dataclasses.replace(cfg, num_frames=count), encoders)
         return frames
+
+    def source_options(self, cfg, spec, channels: int, seed: int) -> dict:
+        """The clip dataset's options: the moving digits at half the frame, clear of the walls (every frame moves as
+        its caption says), with a border where the walls are."""
+        options = dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=seed, channels=channels)
+        if spec is MOVING_DIGITS:
+            options.update(digit_size=cfg.image_size // 2, bounce=False, border=True)
+        return options
 
     def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,

@@ -236,12 +236,6 @@ class WanFamily(ClipFamily, LatentImageFamily):
             return {"seed": cfg.global_seed}
         return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
 
-    def source_options(self, cfg, spec, channels: int, seed: int) -> dict:
-        options = dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=seed, channels=channels)
-        if spec is MOVING_DIGITS:  # half the frame, clear of the walls: every frame moves as its caption says;
-            options.update(digit_size=cfg.image_size // 2, bounce=False, border=True)  # a border: where walls are
-        return options
-
     def load_data(self, cfg, encoders: WanEncoders):
         dataset, cfg = super().load_data(cfg, encoders)
         if self.dataset_spec(cfg).cache:

@@ -46,6 +46,13 @@ def declare(model: nn.Module, parallel_plan=None) -> nn.Module:
     return model
 
 
+def last_block_parameters(model: nn.Module, blocks: str, modules: tuple[str, ...]) -> list[str]:
+    """The parameter names of `modules` (e.g. "attn.to_add_out") in the last block of the ModuleList `blocks`: a
+    double-stream model's text-stream outputs there are computed and dropped (unused_parameters)."""
+    last = f"{blocks}.{len(getattr(model, blocks)) - 1}."
+    return [n for n, _ in model.named_parameters() if n.startswith(tuple(last + m for m in modules))]
+
+
 def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str, marker: str = "config.json"
                 ) -> Path:
     """`path` itself when it holds `marker`, else the first of its `subfolders` that does (a pipeline folder)."""
@@ -69,6 +76,7 @@ class PixelSpace(nn.Module):
                                             z_dim=channels, latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
         self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
         self.temperal_downsample = []  # Qwen-Image's pipeline reads its downsampling from this
+        self.temporal_compression_ratio = self.spatial_compression_ratio = 1  # HunyuanVideo-1.5's pipeline these
         self.register_buffer("anchor", torch.zeros(()), persistent=False)  # its device and dtype for the pipeline
 
     @property
@@ -170,6 +178,11 @@ class ModelGlue:
         holding the config of the family's usual VAE)."""
         return 2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels
 
+    def temporal_downsampling(self, vae) -> int:
+        """Frames per latent frame after the first of a video model's VAE (PixelSpace, the memory planner's stand-in:
+        1)."""
+        return getattr(vae, "temporal_compression_ratio", 1)
+
     def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
         """Images [B, 3, H, W] in [-1, 1] -> one posterior sample [B, C, h, w] float32 (mean + std * randn from the
         global RNG)."""
@@ -195,17 +208,23 @@ class ModelGlue:
         """The forward's first output -> the velocity noise - x, [B, C', h', w'] of `shape`."""
         raise NotImplementedError
 
-    def pipeline(self, model, vae, scheduler_folder: str | None):
+    def pipeline(self, model, vae, scheduler_folder: str | None, **components):
         """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in), with the
-        scheduler of `scheduler_folder`, else of `scheduler_config` (the release's settings)."""
+        scheduler of `scheduler_folder`, else of `scheduler_config` (the release's settings); `components`: more of
+        its constructor's arguments (pipeline_components)."""
         import diffusers
         from diffusers import FlowMatchEulerDiscreteScheduler
         scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
                      else FlowMatchEulerDiscreteScheduler(**self.scheduler_config))
         pipe = getattr(diffusers, self.pipeline_class)(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
-                                                       transformer=model, **self.pipeline_options)
+                                                       transformer=model, **self.pipeline_options, **components)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def pipeline_components(self, sample_cfg) -> dict:
+        """Constructor arguments of the sampling pipeline that depend on the sampling options (HunyuanVideo-1.5: its
+        guider, which holds the guidance scale)."""
+        return {}
 
     def pipeline_latents(self, noise: torch.Tensor) -> torch.Tensor:
         """The noise [B, C', h', w'] as the pipeline's `latents` argument takes it."""

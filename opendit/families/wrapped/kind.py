@@ -12,6 +12,7 @@ embedding by the empty caption's (p = --caption_dropout_prob).
 """
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,7 @@ class WrappedObjective:
         vae = self.encoders.vae
         z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
         x = self.glue.to_model_space(vae, z).float()
-        cond = self.encoders.encode(list(batch[1]), device)
+        cond = self.encoders.encode(list(batch[-1]), device)  # the captions: last in an image's or a clip's item
         p = self.cfg.caption_dropout_prob if train else 0.0
         drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
         empty = self.encoders.empty_conditions(device)
@@ -190,9 +191,9 @@ class DiffusersFamily(LatentImageFamily):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
         for name in self.glue.unused_parameters(model):
             model.get_parameter(name).requires_grad_(False)
-        # (text, image) tokens per sample, for the FLOP count
-        h, w = (side * self.glue.outside_patch // self.glue.patch for side in latent_shape[1:])
-        model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), h * w)
+        # (text, image or video) tokens per sample, for the FLOP count
+        tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.glue.patch ** 2
+        model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), tokens)
         return model
 
     def train_flops_per_sample(self, model) -> float:
@@ -282,18 +283,23 @@ class DiffusersFamily(LatentImageFamily):
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
         """The pipeline's images (its own decoding and post-processing, as its PIL images are) for global indices;
         the noise from (seed, first index), the prompt embeddings from the family's encoder."""
-        enc, (c, h, w) = loaded.encoders, loaded.latent_shape
-        noise = torch.randn(len(indices), c, h, w, generator=sampling_generator(sample_cfg.seed, indices.start))
+        enc, (h, w) = loaded.encoders, loaded.latent_shape[-2:]
+        noise = torch.randn(len(indices), *loaded.latent_shape,
+                            generator=sampling_generator(sample_cfg.seed, indices.start))
         cond = enc.encode([conditions[i % len(conditions)] for i in indices], device)
         negative = {k: v.expand(len(indices), *v.shape[1:]) for k, v in enc.encode([sample_cfg.negative_prompt],
                                                                                    device).items()}
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
-        pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler)
+        pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, **self.glue.pipeline_components(sample_cfg))
         step = self.downsampling(loaded)
-        images = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
-                      height=h * step, width=w * step, output_type="np",
-                      **self.glue.pipeline_call(loaded, sample_cfg, cond, negative)).images
-        return (np.asarray(images) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+        out = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
+                   height=h * step, width=w * step, output_type="np", **self.size_kwargs(loaded, noise.shape),
+                   **self.glue.pipeline_call(loaded, sample_cfg, cond, negative))
+        return (np.asarray(out[0]) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+
+    def size_kwargs(self, loaded, shape) -> dict:
+        """The pipeline's size arguments beyond height and width for latents of `shape` (video: num_frames)."""
+        return {}
 
     # ---- previews ------------------------------------------------------------------------------------------
     def preview_conditions(self, cfg, dataset, rows: int) -> list:

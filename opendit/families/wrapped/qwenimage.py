@@ -13,7 +13,8 @@ rescales the guided prediction to the conditional one's norm.
 import torch
 
 from opendit.families.wrapped.context_parallel import diffusers_plan
-from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
+from opendit.families.wrapped.glue import (ModelGlue, TextEncoder, WrappedSpec, last_block_parameters,
+                                           load_text_encoder)
 from opendit.perf import matmul_macs
 
 QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -73,8 +74,7 @@ class QwenImageGlue(ModelGlue):
 
     def unused_parameters(self, model) -> list[str]:
         """The last block's text-stream outputs: its text tokens are dropped before the output layer."""
-        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}."
-        return [n for n, _ in model.named_parameters() if n.startswith((last + "attn.to_add_out", last + "txt_mlp"))]
+        return last_block_parameters(model, "transformer_blocks", ("attn.to_add_out", "txt_mlp"))
 
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         encoder = load_text_encoder(path, device, dtype, self.models[model].constants["max_sequence_length"])

@@ -1,0 +1,62 @@
+"""The diffusers-transformer kind for video models (HunyuanVideo-1.5): the clips of opendit's video families (the
+moving digits demo, a CSV of captioned videos; --num_frames, --frame_interval, --fps, MP4 / GIF / strip output),
+latents [C, T', h, w] through the model's video autoencoder (or pixel space), sampled through the model's own
+video pipeline. Everything else is the image kind's (opendit.families.wrapped.kind)."""
+from dataclasses import dataclass
+
+from opendit.data import MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.families.clips import ClipFamily, ClipSampleOptions, ClipTrainOptions
+from opendit.families.wrapped.kind import DiffusersFamily, WrappedSampleOptions, WrappedTrainOptions
+
+
+@dataclass
+class WrappedVideoTrainOptions(ClipTrainOptions, WrappedTrainOptions):
+    pass
+
+
+@dataclass
+class WrappedVideoSampleOptions(ClipSampleOptions, WrappedSampleOptions):
+    pass
+
+
+class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
+    """A family of one video ModelGlue's models."""
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV)
+    train_options = WrappedVideoTrainOptions
+    sample_options = WrappedVideoSampleOptions
+
+    def __init__(self, name: str, glue):
+        super().__init__(name, glue)
+        self.defaults_help = {**self.defaults_help, "fps": f"{name}: {glue.fps}"}
+
+    def dataset_options(self, cfg, encoders, spec) -> dict:
+        return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
+
+    def sample_defaults(self, sample_cfg, cfg) -> dict:
+        return {**super().sample_defaults(sample_cfg, cfg), "fps": self.glue.fps}
+
+    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
+        vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
+        return self._clip_latents(cfg, vae, cfg.num_frames, cfg.image_size, cfg.image_size)
+
+    def _clip_latents(self, cfg, vae, frames: int, height: int, width: int) -> tuple[int, ...]:
+        """(C, T', h, w) of clips of `frames` frames of height x width pixels."""
+        temporal, (spatial, channels) = self.glue.temporal_downsampling(vae), self.glue.vae_geometry(vae)
+        if (frames - 1) % temporal:
+            near = 1 + temporal * round((frames - 1) / temporal)
+            raise ValueError(f"--num_frames {frames}: {cfg.model}'s autoencoder keeps the first frame and packs every "
+                             f"{temporal} after it: use 1 + {temporal}k frames (e.g. {near})")
+        for side in (height, width):
+            if side % (spatial * self.glue.patch):
+                raise ValueError(f"--image_size {side} must be a multiple of {spatial * self.glue.patch} (the VAE's "
+                                 f"downsampling x {cfg.model}'s patch)")
+        return channels, (frames - 1) // temporal + 1, height // spatial, width // spatial
+
+    def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
+        """(C, T', h, w) of --num_frames clips of --height x --width pixels (defaults: the trained ones)."""
+        height, width = self.sample_size(loaded, sample_cfg)
+        frames = sample_cfg.num_frames or loaded.cfg.num_frames
+        return self._clip_latents(loaded.cfg, loaded.encoders.vae, frames, height, width)
+
+    def size_kwargs(self, loaded, shape) -> dict:
+        return {"num_frames": (shape[2] - 1) * self.glue.temporal_downsampling(loaded.encoders.vae) + 1}
