@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Train a model through diffusers' own transformer (FLUX.2 [klein], Z-Image, Qwen-Image) under opendit's stack.
-# RECIPE=digits (the CPU demo: MODEL, default flux2-klein-debug, or z-image-debug or qwen-image-debug, on 16 px
-# captioned digits in pixel space through a tiny random local Qwen3 / Qwen2.5-VL, made on first use) or RECIPE=lora (a
-# rank-16 LoRA of a downloaded pipeline folder, e.g. FLUX.2-klein-base-4B, Z-Image or Qwen-Image, on one GPU). NGPU,
-# MODEL and extra flags come from the environment / command line:
+# Train a model through diffusers' own transformer (FLUX.2 [klein], Z-Image, Qwen-Image, HunyuanVideo-1.5) under
+# opendit's stack. RECIPE=digits (the CPU demo: MODEL, default flux2-klein-debug, or z-image-debug or
+# qwen-image-debug, on 16 px captioned digits in pixel space through a tiny random local Qwen3 / Qwen2.5-VL, made on
+# first use), RECIPE=video (hunyuanvideo1.5-debug on 5-frame moving digits, tiny Qwen2.5-VL + ByT5 encoders) or
+# RECIPE=lora (a rank-16 LoRA of a downloaded pipeline folder, e.g. FLUX.2-klein-base-4B, Z-Image or Qwen-Image, on
+# one GPU). NGPU, MODEL and extra flags come from the environment / command line:
 #   RECIPE=digits bash train_diffusers.sh                                         # CPU demo, FLUX.2 [klein]
 #   RECIPE=digits MODEL=z-image-debug bash train_diffusers.sh                     # CPU demo, Z-Image
+#   RECIPE=video bash train_diffusers.sh                                          # CPU demo, HunyuanVideo-1.5
 #   RECIPE=lora MODEL=flux2-klein-4b PIPE=/models/FLUX.2-klein-base-4B DATA=/data/my_images bash train_diffusers.sh
 # PIPE is a local diffusers pipeline folder (transformer/, vae/, text_encoder/, tokenizer/, scheduler/); DATA a
 # folder of images with a .txt caption beside each (or a CSV / JSONL of path,caption).
@@ -25,6 +27,12 @@ case "$RECIPE" in
     set -- --model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --text_encoder "$ENC" \
       --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
       --num_workers 0 "$@" ;;
+  video)
+    ENC=${ENC:-outputs/diffusers_demo_hv15}
+    [ -f "$ENC/text_encoder/config.json" ] || python -m opendit.families.wrapped.hunyuanvideo15 "$ENC"
+    set -- --model hunyuanvideo1.5-debug --dataset moving_digits --image_size 16 --num_frames 5 --vae none \
+      --text_encoder "$ENC" --batch_size 16 --lr 1e-3 --ema_decay 0.995 --max_steps 1000 --ckpt_every 500 \
+      --log_every 50 --num_workers 0 "$@" ;;
   lora)
     MODEL=${MODEL:?set MODEL: flux2-klein-4b, z-image or qwen-image}
     PIPE=${PIPE:?set PIPE to a local diffusers pipeline folder of the model}
@@ -32,7 +40,7 @@ case "$RECIPE" in
       --dataset captions --data_path "${DATA:?set DATA to a folder of images with .txt captions}" --image_size 1024 \
       --buckets auto --lora_rank 16 --batch_size "${BATCH:-1}" --lr 1e-4 --mixed_precision bf16 --grad_checkpoint 1 \
       --ema_decay 0 --max_steps 2000 --ckpt_every 500 --log_every 10 "$@" ;;
-  *) echo "unknown RECIPE=$RECIPE (digits, lora)" >&2; exit 2 ;;
+  *) echo "unknown RECIPE=$RECIPE (digits, video, lora)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then
   exec torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"

@@ -142,3 +142,17 @@ def test_a_frame_count_the_vae_cannot_take_names_the_next_valid_one(tmp_path, en
         family.latent_shape(cfg, family.load_encoders(cfg, torch.device("cpu"), training=False))
     spec = family.models["hunyuanvideo1.5-debug"]
     assert spec.sp_kinds == ()  # its class has no context-parallel plan: --sequence_parallel_size is refused
+
+
+def test_the_video_demo_recipe_runs(tmp_path, encoders_folder):
+    """docs/diffusers_models.md's line: RECIPE=video bash train_diffusers.sh (its flags, a step of it; the tiny
+    encoders given)."""
+    import os
+    import subprocess
+
+    from tests.test_train import ROOT
+    out = subprocess.run(["bash", "train_diffusers.sh", "--max_steps", "1", "--batch_size", "2", "--image_size", "8",
+                          "--outputs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RECIPE": "video", "ENC": encoders_folder, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "000-hunyuanvideo1.5-debug" / "checkpoints" / "step-000001").is_dir()
