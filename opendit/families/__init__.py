@@ -16,7 +16,7 @@ from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
 from opendit.families.wan import WanFamily
-from opendit.families.wrapped import FLUX2, HUNYUANVIDEO15, QWENIMAGE, ZIMAGE
+from opendit.families.wrapped import FLUX1, FLUX2, HUNYUANVIDEO15, QWENIMAGE, ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -78,6 +78,7 @@ register_family(DiTFamily())
 register_family(VideoDiffusionFamily())
 register_family(FluxFamily())
 register_family(WanFamily())
+register_family(FLUX1)
 register_family(FLUX2)
 register_family(ZIMAGE)
 register_family(QWENIMAGE)

@@ -1,6 +1,8 @@
 """Families whose model is diffusers' own transformer class (the diffusers-transformer kind, kind.py), one glue
-per model (glue.py's ModelGlue): FLUX.2 [klein] (flux2.py), Z-Image (zimage.py), Qwen-Image (qwenimage.py) and, through
-the video kind (video.py), HunyuanVideo-1.5 (hunyuanvideo15.py)."""
+per model (glue.py's ModelGlue): FLUX.1 (flux1.py, beside the native FLUX family), FLUX.2 [klein] (flux2.py),
+Z-Image (zimage.py), Qwen-Image (qwenimage.py) and, through the video kind (video.py), HunyuanVideo-1.5
+(hunyuanvideo15.py)."""
+from opendit.families.wrapped.flux1 import Flux1Glue
 from opendit.families.wrapped.flux2 import Flux2KleinGlue
 from opendit.families.wrapped.hunyuanvideo15 import HunyuanVideo15Glue
 from opendit.families.wrapped.kind import DiffusersFamily
@@ -8,9 +10,10 @@ from opendit.families.wrapped.qwenimage import QwenImageGlue
 from opendit.families.wrapped.video import DiffusersVideoFamily
 from opendit.families.wrapped.zimage import ZImageGlue
 
+FLUX1 = DiffusersFamily("flux1", Flux1Glue())
 FLUX2 = DiffusersFamily("flux2", Flux2KleinGlue())
 ZIMAGE = DiffusersFamily("zimage", ZImageGlue())
 QWENIMAGE = DiffusersFamily("qwenimage", QwenImageGlue())
 HUNYUANVIDEO15 = DiffusersVideoFamily("hunyuanvideo15", HunyuanVideo15Glue())
 
-__all__ = ["FLUX2", "HUNYUANVIDEO15", "QWENIMAGE", "ZIMAGE", "DiffusersFamily", "DiffusersVideoFamily"]
+__all__ = ["FLUX1", "FLUX2", "HUNYUANVIDEO15", "QWENIMAGE", "ZIMAGE", "DiffusersFamily", "DiffusersVideoFamily"]

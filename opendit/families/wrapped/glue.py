@@ -64,6 +64,15 @@ def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str, ma
                             f"{' or '.join(s + '/' for s in subfolders)})")
 
 
+def pipeline_part(path: str, sub: str, what: str, marker: str = "config.json") -> Path:
+    """`sub`/ of the pipeline folder `path` (a model's second text encoder and tokenizer live only there)."""
+    folder = Path(path) / sub
+    if not (folder / marker).is_file():
+        raise FileNotFoundError(f"--text_encoder {path!r}: no {what} in {sub}/; this model takes a pipeline folder "
+                                f"holding text_encoder/ + tokenizer/ and text_encoder_2/ + tokenizer_2/")
+    return folder
+
+
 class PixelSpace(nn.Module):
     """Pixel space dressed as an autoencoder, so a diffusers pipeline samples a pixel-space model unchanged:
     downsampling 1, scale 1 and shift 0 (FLUX.2's batch-norm statistics and Qwen-Image's latent statistics zero

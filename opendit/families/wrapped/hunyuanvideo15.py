@@ -19,8 +19,8 @@ import types
 import torch
 
 from opendit.distributed import unwrap_model
-from opendit.families.wrapped.glue import (ModelGlue, PixelSpace, TextEncoder, WrappedSpec, find_folder,
-                                           last_block_parameters, load_text_encoder)
+from opendit.families.wrapped.glue import (ModelGlue, PixelSpace, TextEncoder, WrappedSpec, last_block_parameters,
+                                           load_text_encoder, pipeline_part)
 from opendit.perf import matmul_macs
 
 HV15_480P_T2V = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
@@ -80,10 +80,10 @@ class HunyuanVideo15Glue(ModelGlue):
 
         const = self.models[model].constants
         encoder = load_text_encoder(path, device, dtype, const["max_sequence_length"])
-        byt5 = T5EncoderModel.from_pretrained(find_folder(path, ("text_encoder_2",), "ByT5 encoder", "--text_encoder"),
+        byt5 = T5EncoderModel.from_pretrained(pipeline_part(path, "text_encoder_2", "ByT5 encoder"),
                                               dtype=dtype).to(device).eval().requires_grad_(False)
-        byt5_tokenizer = AutoTokenizer.from_pretrained(find_folder(path, ("tokenizer_2",), "ByT5 tokenizer",
-                                                                   "--text_encoder", marker="tokenizer_config.json"))
+        byt5_tokenizer = AutoTokenizer.from_pretrained(pipeline_part(path, "tokenizer_2", "ByT5 tokenizer",
+                                                                     marker="tokenizer_config.json"))
         pipe = _pipeline()(text_encoder=encoder.model, tokenizer=encoder.tokenizer, transformer=None,
                            vae=PixelSpace(1), scheduler=None, text_encoder_2=byt5, tokenizer_2=byt5_tokenizer,
                            guider=None)

@@ -1,0 +1,91 @@
+"""FLUX.1 through diffusers' own FluxTransformer2DModel (the diffusers kind, opendit.families.wrapped.flux1) beside
+opendit's native FLUX family: the same weights (converted by FLUX_WEIGHTS) and the same batch give the same prompt
+conditions (the pipeline's encode_prompt against opendit's T5 / CLIP encoders) and equal losses; it trains, resumes
+and samples from the command line; benchmarks/native_vs_wrapped.py (the step-time ratio) runs."""
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from opendit import config as cfglib
+from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.test_train import run_trainer
+from tests.test_video_family import cli
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """(T5, CLIP, a FLUX.1 pipeline folder holding both: text_encoder/ + tokenizer/ CLIP, text_encoder_2/ +
+    tokenizer_2/ T5)."""
+    root = tmp_path_factory.mktemp("flux1_encoders")
+    t5, clip = tiny_text_encoders(root)
+    pipe = root / "pipe"
+    pipe.mkdir()
+    for name, target in (("text_encoder", clip), ("tokenizer", clip), ("text_encoder_2", t5), ("tokenizer_2", t5)):
+        os.symlink(target, pipe / name)
+    return t5, clip, str(pipe)
+
+
+def wrapped_cfg(outputs, pipe, **kw):
+    base = dict(model="flux1-debug-diffusers", dataset="captioned_digits", image_size=8, vae="none",
+                text_encoder=pipe, batch_size=4, max_steps=3, log_every=1, ckpt_every=100, num_workers=0,
+                outputs=str(outputs), lr=1e-3, ema_decay=0.9)
+    return cfglib.TrainConfig(**{**base, **kw})
+
+
+def test_same_weights_and_batch_give_the_native_familys_conditions_and_losses(encoders):
+    from opendit.families import get_family
+    from opendit.families.flux.weights import FLUX_WEIGHTS
+    from opendit.families.wrapped.flux1 import patchify
+
+    t5, clip, pipe = encoders
+    cpu = torch.device("cpu")
+    native, wrapped = get_family("flux"), get_family("flux1")
+    cfg_n = native.resolve_config(flux_cfg("unused", (t5, clip), image_size=16))
+    cfg_w = wrapped.resolve_config(wrapped_cfg("unused", pipe, image_size=16))
+    enc_n, enc_w = native.load_encoders(cfg_n, cpu, training=True), wrapped.load_encoders(cfg_w, cpu, training=True)
+    torch.manual_seed(0)
+    model_n = native.build_model(cfg_n, native.latent_shape(cfg_n, enc_n)).eval()
+    model_w = wrapped.build_model(cfg_w, wrapped.latent_shape(cfg_w, enc_w)).eval()
+    model_w.load_state_dict(FLUX_WEIGHTS.to_diffusers(model_n.state_dict()))
+    images, captions = torch.rand(2, 1, 16, 16) * 2 - 1, ["a handwritten one", "the digit seven"]
+    x_n, cond_n = native.objective(cfg_n, enc_n).prepare((images, captions), cpu, train=False)
+    x_w, cond_w = wrapped.objective(cfg_w, enc_w).prepare((images, captions), cpu, train=False)
+    torch.testing.assert_close(cond_w["embeds"], cond_n["txt"], rtol=0, atol=0)
+    torch.testing.assert_close(cond_w["pooled"], cond_n["y"], rtol=0, atol=0)
+    assert torch.equal(x_w, patchify(x_n))  # the same pixels, 2x2-patched for diffusers' packing
+    t, noise = torch.tensor([0.2, 0.7]), torch.randn_like(x_n)
+    losses_n, _ = native.objective(cfg_n, enc_n).losses(model_n, x_n, cond_n, t_frac=t, noise=noise)
+    losses_w, _ = wrapped.objective(cfg_w, enc_w).losses(model_w, x_w, cond_w, t_frac=t, noise=patchify(noise))
+    torch.testing.assert_close(losses_w, losses_n, rtol=1e-5, atol=1e-6)
+
+
+def test_trains_resumes_and_samples_from_the_command_line(tmp_path, encoders):
+    pipe = encoders[2]
+    _, full = run_trainer(wrapped_cfg(tmp_path / "a", pipe, max_steps=4, ckpt_every=2))
+    run_trainer(wrapped_cfg(tmp_path / "b", pipe, max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(wrapped_cfg(tmp_path / "b", pipe, max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:] and all(np.isfinite(full))
+    out = tmp_path / "samples"
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "a", "--prompts", "a handwritten one",
+        "the digit two", "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
+    assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
+
+
+def test_the_native_vs_wrapped_benchmark_runs():
+    from benchmarks.native_vs_wrapped import compare
+
+    found = compare(types.SimpleNamespace(width=64, depth=1, single=1, latent=8, txt=8, batch=2, repeats=2))
+    assert found["loss_native"] == pytest.approx(found["loss_wrapped"], rel=1e-5)
+    assert found["native_s"] > 0 and found["wrapped_s"] > 0
+
+
+def test_a_folder_without_both_encoders_is_named_with_the_layout_it_needs(encoders):
+    from opendit.families import get_family
+
+    glue = get_family("flux1").glue
+    with pytest.raises(FileNotFoundError, match="no CLIP text encoder in text_encoder/; this model takes a pipeline "
+                                                "folder holding text_encoder/ \\+ tokenizer/ and text_encoder_2/"):
+        glue.text_encoder(encoders[0], "cpu", torch.float32, "flux1-debug-diffusers")  # a T5 folder alone
