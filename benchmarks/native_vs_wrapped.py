@@ -1,11 +1,12 @@
-"""FLUX.1 natively (opendit's own layers, opendit.families.flux) against FLUX.1 through diffusers' own
-FluxTransformer2DModel (the diffusers kind, opendit.families.wrapped.flux1): the same weights (FLUX_WEIGHTS
-converts them), the same latents, prompt embeddings, times and noise, each through its family's objective, in one
-process, alternating. The losses are compared first (equal within float rounding, else it exits 1); then the
-forward + backward time of each (min / median / max over --repeats) and the ratio native / wrapped (below 1: the
-native path is faster).
+"""FLUX.1 and Wan2.1 natively (opendit's own layers: opendit.families.flux, opendit.families.wan) against the same
+models through diffusers' own FluxTransformer2DModel / WanTransformer3DModel (the diffusers kind,
+opendit.families.wrapped.flux1 / wan21): the same weights (FLUX_WEIGHTS / WAN_WEIGHTS convert them), the same
+latents, prompt embeddings, times and noise, each through its family's objective, in one process, alternating.
+The losses are compared first (equal within float rounding, else it exits 1); then the forward + backward time of
+each (min / median / max over --repeats) and the ratio native / wrapped (below 1: the native path is faster).
 
     python benchmarks/native_vs_wrapped.py                       # a FLUX-shaped model 512 wide, 64 px latents, CPU
+    python benchmarks/native_vs_wrapped.py --family wan          # a Wan-shaped one 512 wide, 5 x 32 x 32 latents
     python benchmarks/native_vs_wrapped.py --width 3072 --depth 19 --single 38 --latent 128 --txt 512   # flux-dev
 """
 import argparse
@@ -23,6 +24,9 @@ from opendit.families import get_family  # noqa: E402
 from opendit.families.flux.family import FlowObjective  # noqa: E402
 from opendit.families.flux.model import Flux  # noqa: E402
 from opendit.families.flux.weights import FLUX_WEIGHTS  # noqa: E402
+from opendit.families.wan.model import WanModel  # noqa: E402
+from opendit.families.wan.objective import WanFlowObjective  # noqa: E402
+from opendit.families.wan.weights import WAN_WEIGHTS  # noqa: E402
 from opendit.families.wrapped.flux1 import patchify  # noqa: E402
 from opendit.families.wrapped.kind import WrappedEncoders, WrappedObjective  # noqa: E402
 
@@ -37,6 +41,11 @@ def _timed(step) -> tuple[float, float]:
 
 def compare(a) -> dict:
     """{native_s, wrapped_s: median seconds per forward + backward; *_all: every repeat; loss_native, loss_wrapped}."""
+    return _timed_pair(*(_wan if getattr(a, "family", "flux") == "wan" else _flux)(a), a.repeats)
+
+
+def _flux(a):
+    """FLUX.1: (objectives, inputs) of the native and the wrapped side."""
     heads = max(1, a.width // HEAD_DIM)
     axes = (HEAD_DIM // 8, HEAD_DIM * 7 // 16, HEAD_DIM * 7 // 16)
     torch.manual_seed(0)
@@ -52,17 +61,41 @@ def compare(a) -> dict:
                   WrappedObjective(WrappedEncoders(vae=None, text=None, glue=glue), cfg))
     x, noise = torch.randn(2, a.batch, 16, a.latent, a.latent).unbind(0)
     txt, vec, t = torch.randn(a.batch, a.txt, CONTEXT), torch.randn(a.batch, POOLED), torch.rand(a.batch)
-    inputs = ((native, x, {"txt": txt, "y": vec}, noise),
-              (wrapped, patchify(x), {"embeds": txt, "pooled": vec}, patchify(noise)))
+    inputs = ((native, x, {"txt": txt, "y": vec}, noise, t),
+              (wrapped, patchify(x), {"embeds": txt, "pooled": vec}, patchify(noise), t))
+    return objectives, inputs
 
+
+def _wan(a):
+    """Wan2.1 (text-to-video): (objectives, inputs) of the native and the wrapped side; --latent is the latent side,
+    5 latent frames, 2x2 patches."""
+    heads = max(1, a.width // HEAD_DIM)
+    torch.manual_seed(0)
+    dim, layers = heads * HEAD_DIM, a.depth + a.single
+    native = WanModel(patch_size=(1, 2, 2), text_len=a.txt, in_dim=16, dim=dim, ffn_dim=4 * dim, freq_dim=256,
+                      text_dim=CONTEXT, out_dim=16, num_heads=heads, num_layers=layers)
+    glue = get_family("wan21").glue
+    wrapped = glue(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=HEAD_DIM, in_channels=16,
+                   text_dim=CONTEXT, freq_dim=256, ffn_dim=4 * dim, num_layers=layers,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    wrapped.load_state_dict(WAN_WEIGHTS.to_diffusers(native.state_dict()))
+    cfg = types.SimpleNamespace(timestep_sampling="uniform", model="wan2.1-t2v-1.3b-diffusers")
+    objectives = (WanFlowObjective(None, shift=1.0, timestep_sampling="uniform", dropout=0.0),
+                  WrappedObjective(WrappedEncoders(vae=None, text=None, glue=glue), cfg))
+    x, noise = torch.randn(2, a.batch, 16, 5, a.latent, a.latent).unbind(0)
+    txt, t = torch.randn(a.batch, a.txt, CONTEXT), torch.rand(a.batch)
+    return objectives, ((native, x, {"context": txt}, noise, t), (wrapped, x, {"embeds": txt}, noise, t))
+
+
+def _timed_pair(objectives, inputs, repeats: int) -> dict:
     def step(i):
-        model, xi, cond, ni = inputs[i]
+        model, xi, cond, ni, t = inputs[i]
         model.zero_grad(set_to_none=True)
         loss = objectives[i].losses(model, xi, cond, t_frac=t, noise=ni)[0].mean()
         loss.backward()
         return loss.item()
     times, losses = ([], []), [None, None]
-    for _ in range(a.repeats + 1):  # the first round warms up
+    for _ in range(repeats + 1):  # the first round warms up
         for i in (0, 1):
             seconds, losses[i] = _timed(lambda: step(i))
             times[i].append(seconds)
@@ -73,8 +106,9 @@ def compare(a) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("flux", "wan"), default="flux")
     p.add_argument("--width", type=int, default=512, help="hidden size (heads of 64)")
-    p.add_argument("--depth", type=int, default=2, help="double-stream blocks")
+    p.add_argument("--depth", type=int, default=2, help="double-stream blocks (Wan: blocks, with --single)")
     p.add_argument("--single", type=int, default=4, help="single-stream blocks")
     p.add_argument("--latent", type=int, default=64, help="latent side (16 channels; 2x2 tokens: (latent/2)^2)")
     p.add_argument("--txt", type=int, default=128, help="text tokens")
@@ -88,7 +122,9 @@ def main():
 
     def spread(ts):
         return f"{min(ts):.3f} / {statistics.median(ts):.3f} / {max(ts):.3f}"
-    print(f"| FLUX.1 {a.width} wide, {a.depth} + {a.single} blocks, {(a.latent // 2) ** 2} + {a.txt} tokens, "
+    shape = f"{a.depth} + {a.single} blocks, {(a.latent // 2) ** 2}" if a.family == "flux" else \
+        f"{a.depth + a.single} blocks, {5 * (a.latent // 2) ** 2}"
+    print(f"| {'FLUX.1' if a.family == 'flux' else 'Wan2.1'} {a.width} wide, {shape} + {a.txt} tokens, "
           f"batch {a.batch} | loss {found['loss_native']:.6f} = {found['loss_wrapped']:.6f} | "
           f"{spread(found['native_all'])} | {spread(found['wrapped_all'])} | "
           f"{found['native_s'] / found['wrapped_s']:.2f} |")

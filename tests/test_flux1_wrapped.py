@@ -74,10 +74,12 @@ def test_trains_resumes_and_samples_from_the_command_line(tmp_path, encoders):
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
 
 
-def test_the_native_vs_wrapped_benchmark_runs():
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_the_native_vs_wrapped_benchmark_runs(family):
     from benchmarks.native_vs_wrapped import compare
 
-    found = compare(types.SimpleNamespace(width=64, depth=1, single=1, latent=8, txt=8, batch=2, repeats=2))
+    found = compare(types.SimpleNamespace(family=family, width=64, depth=1, single=1, latent=8, txt=8, batch=2,
+                                          repeats=2))
     assert found["loss_native"] == pytest.approx(found["loss_wrapped"], rel=1e-5)
     assert found["native_s"] > 0 and found["wrapped_s"] > 0
 

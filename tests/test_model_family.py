@@ -94,6 +94,8 @@ def test_every_family_model_meets_the_contract(name, tmp_path):
         qwen.mkdir()
         for sub, target in (("text_encoder", clip), ("tokenizer", clip), ("text_encoder_2", t5), ("tokenizer_2", t5)):
             os.symlink(target, qwen / sub)
+    elif name == "wan21":
+        qwen = umt5
     elif name == "hunyuanvideo15":
         from opendit.families.wrapped.hunyuanvideo15 import save_tiny_text_encoders
         qwen = save_tiny_text_encoders(tmp_path / "hv15", words="all")

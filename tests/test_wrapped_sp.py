@@ -1,14 +1,19 @@
 """Sequence parallelism of diffusers transformers (opendit.families.wrapped.context_parallel): at 2 ranks under gloo
-the output and every parameter's gradient equal the unsplit model's (FLUX.2 [klein], Qwen-Image with a padded text
-mask), a token count that does not split evenly is an error naming it, and a model without a context-parallel plan
-(Z-Image) refuses --sequence_parallel_size. Training and sampling at 2 ranks: the families' tests."""
+the output and every parameter's gradient equal the unsplit model's (FLUX.1, FLUX.2 [klein], Qwen-Image with a padded
+text mask, Wan2.1's clips), a token count that does not split evenly is an error naming it, and a model without a
+context-parallel plan (Z-Image) refuses --sequence_parallel_size. Training and sampling at 2 ranks: the families'
+tests."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
 
-MODELS = {"flux2": "flux2-klein-debug", "qwenimage": "qwen-image-debug"}
+MODELS = {"flux1": "flux1-debug-diffusers", "flux2": "flux2-klein-debug", "qwenimage": "qwen-image-debug",
+          "wan21": "wan-debug-diffusers"}
+# inputs at 2 ranks: an even and an odd token count (images: 2x2-packed latents; Wan-debug: 4x4-patched clips)
+GRIDS = {"wan21": ((2, 8, 12), (3, 4, 20), "15 tokens")}
+IMAGE_GRIDS = ((4, 6), (3, 5), "15 tokens")
 
 
 def _split_equals_unsplit(rank, world_size, family_name):
@@ -21,7 +26,8 @@ def _split_equals_unsplit(rank, world_size, family_name):
     plain, split = spec.build(), spec.build()
     split.load_state_dict(plain.state_dict())
     hook = enable_sequence_parallel(split, dist.new_group([0, 1]), "auto")
-    x, t = torch.randn(2, spec.arch["in_channels"], 4, 6), torch.rand(2)
+    even, odd_grid, odd_tokens = GRIDS.get(family_name, IMAGE_GRIDS)
+    x, t = torch.randn(2, spec.arch["in_channels"], *even), torch.rand(2)
     cond = glue.random_conditions(spec, 2, "cpu")
     if "mask" in cond:
         cond["mask"][1, 5:] = False  # one padded caption
@@ -39,8 +45,8 @@ def _split_equals_unsplit(rank, world_size, family_name):
         grad = q.grad.clone()
         dist.all_reduce(grad)  # every plugin averages over the group
         worst = max(worst, ((grad / world_size - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item())
-    odd = torch.randn(2, spec.arch["in_channels"], 3, 5)
-    with pytest.raises(ValueError, match=r"splits hidden_states \(15 tokens\) into equal chunks"):
+    odd = torch.randn(2, spec.arch["in_channels"], *odd_grid)
+    with pytest.raises(ValueError, match=rf"splits hidden_states \({odd_tokens}\) into equal chunks"):
         split(**glue.forward_kwargs(split, odd, t, cond, None))
     return hook.kind, (out - split_out).abs().max().item(), worst
 

@@ -16,7 +16,7 @@ from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
 from opendit.families.wan import WanFamily
-from opendit.families.wrapped import FLUX1, FLUX2, HUNYUANVIDEO15, QWENIMAGE, ZIMAGE
+from opendit.families.wrapped import FLUX1, FLUX2, HUNYUANVIDEO15, QWENIMAGE, WAN21, ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -83,6 +83,7 @@ register_family(FLUX2)
 register_family(ZIMAGE)
 register_family(QWENIMAGE)
 register_family(HUNYUANVIDEO15)
+register_family(WAN21)
 for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
     importlib.import_module(_module)  # registers itself
 

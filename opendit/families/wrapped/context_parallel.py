@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from opendit.parallel.model_plan import ParallelPlan
 
-SPLIT_INPUTS = ("hidden_states", "encoder_hidden_states")  # the forward's token sequences [B, L, D]
+SPLIT_INPUTS = ("hidden_states", "encoder_hidden_states")  # the forward's token sequences, checked
 
 
 @dataclass
@@ -76,10 +76,10 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUly
 
     def check_split(module, args, kwargs):
         for name in SPLIT_INPUTS:
-            x = kwargs.get(name)
-            if x is not None and x.shape[1] % size:
-                raise ValueError(f"sequence parallelism over {size} ranks splits {name} ({x.shape[1]} tokens) into "
-                                 f"equal chunks: choose image sizes (buckets) and a text length whose token counts "
+            tokens = _token_count(module, kwargs.get(name))
+            if tokens is not None and tokens % size:
+                raise ValueError(f"sequence parallelism over {size} ranks splits {name} ({tokens} tokens) into "
+                                 f"equal chunks: choose sizes (buckets, frames) and a text length whose token counts "
                                  f"are multiples of {size}, or a --sequence_parallel_size that divides them")
 
     def times_size(module, args, out):
@@ -93,6 +93,17 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUly
     for name in gathered:  # runs after diffusers' gather of that module's output
         model.get_submodule(name).register_forward_hook(times_size)
     return DiffusersUlysses(group, size)
+
+
+def _token_count(model, x) -> int | None:
+    """Tokens of a forward input: [B, L, D] -> L; a video [B, C, T, H, W] -> its patches (the class's patch_size)."""
+    if x is None or x.ndim not in (3, 5):
+        return None
+    if x.ndim == 3:
+        return x.shape[1]
+    patch = model.config.patch_size
+    pt, ph, pw = patch if isinstance(patch, (list, tuple)) else (getattr(model.config, "patch_size_t", 1), patch, patch)
+    return x.shape[2] // pt * (x.shape[3] // ph) * (x.shape[4] // pw)
 
 
 def diffusers_plan(split: tuple[str, ...]) -> ParallelPlan:

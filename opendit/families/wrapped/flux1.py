@@ -6,11 +6,14 @@ Prompts are the pipeline's own encode_prompt: CLIP's pooled embedding and T5's t
 max_sequence_length. Images go through FLUX.1's AutoencoderKL, (z - shift) * scale, patched 2x2 and packed into
 tokens with the pipeline's position ids. Training follows diffusers' FLUX DreamBooth examples
 (train_dreambooth_flux.py): x_t = (1 - t) x + t noise, the model sees t (the pipeline passes sigma) and predicts
-noise - x, plain MSE; the dev models' guidance embedding is given the release's training guidance (constants
-"guidance"). Sampling: the pipeline with that embedded guidance, --cfg_scale its true_cfg_scale (1: off).
+noise - x, plain MSE; the dev models' guidance embedding is given TRAIN_GUIDANCE (the native family's --guidance
+default). Sampling: the pipeline with the release's embedded guidance (constants "sample_guidance"), --cfg_scale its
+true_cfg_scale (1: off). Sequence parallelism: diffusers' own context-parallel plan (Ulysses).
 """
 import torch
 
+from opendit.distributed import unwrap_model
+from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, pipeline_part
 from opendit.perf import matmul_macs
 
@@ -22,13 +25,14 @@ FLUX1_DEBUG = dict(FLUX1_DEV, num_layers=2, num_single_layers=2, attention_head_
                    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 FLUX1_MODELS = {
     "flux1-dev-diffusers": WrappedSpec("flux1-dev-diffusers", "flux1", None, FLUX1_DEV,
-                                       dict(max_sequence_length=512, guidance=1.0, sample_guidance=3.5, steps=50,
+                                       dict(max_sequence_length=512, sample_guidance=3.5, steps=50,
                                             cfg_scale=1.0, text_params=4.76e9 + 0.12e9)),
     "flux1-debug-diffusers": WrappedSpec("flux1-debug-diffusers", "flux1", None, FLUX1_DEBUG,
-                                         dict(max_sequence_length=16, guidance=1.0, sample_guidance=3.5, steps=20,
+                                         dict(max_sequence_length=16, sample_guidance=3.5, steps=20,
                                               cfg_scale=1.0, text_params=0)),
 }
 # FLUX.1-dev's scheduler (resolution-dependent shift)
+TRAIN_GUIDANCE = 1.0
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                  base_image_seq_len=256, max_image_seq_len=4096)
 
@@ -54,6 +58,7 @@ class Flux1Glue(ModelGlue):
     scheduler_config = SCHEDULER
     vae_channels, vae_params = 16, 83_819_683  # FLUX.1's autoencoder
     models = FLUX1_MODELS
+    parallel_plan = diffusers_plan(split=("image tokens and their ids", "text tokens and their ids"))
     # attention and feed-forward Linears of both streams and of the single blocks (diffusers' names)
     lora_targets = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
                     r"ff(_context)?\.net\.(0\.proj|2))|single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|"
@@ -93,9 +98,8 @@ class Flux1Glue(ModelGlue):
 
     def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
         b, _, h, w = x.shape
-        spec = self.models[cfg.model]
-        guidance = torch.full((b,), spec.constants["guidance"], device=x.device) \
-            if spec.arch["guidance_embeds"] else None
+        guidance = torch.full((b,), TRAIN_GUIDANCE, device=x.device) \
+            if unwrap_model(model).config.guidance_embeds else None
         return dict(hidden_states=pack(x), encoder_hidden_states=cond["embeds"], pooled_projections=cond["pooled"],
                     timestep=t, img_ids=_pipeline()._prepare_latent_image_ids(b, h, w, x.device, x.dtype),
                     txt_ids=torch.zeros(cond["embeds"].shape[1], 3, device=x.device, dtype=x.dtype),

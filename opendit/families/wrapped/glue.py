@@ -82,7 +82,8 @@ class PixelSpace(nn.Module):
         super().__init__()
         self.config = types.SimpleNamespace(block_out_channels=(channels,), batch_norm_eps=0.0,
                                             latent_channels=channels, scaling_factor=1.0, shift_factor=0.0,
-                                            z_dim=channels, latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
+                                            z_dim=channels, latents_mean=[0.0] * channels, latents_std=[1.0] * channels,
+                                            scale_factor_temporal=1, scale_factor_spatial=1)
         self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
         self.temperal_downsample = []  # Qwen-Image's pipeline reads its downsampling from this
         self.temporal_compression_ratio = self.spatial_compression_ratio = 1  # HunyuanVideo-1.5's pipeline these
@@ -148,6 +149,10 @@ class ModelGlue:
     official_converter: str = ""
     # config keys the run decides (from its latent channels), not compared when naming a diffusers folder's model
     run_keys: tuple[str, ...] = ("in_channels",)
+
+    def patch_of(self, model: str) -> int:
+        """Latent positions per token side of the registered `model` (`patch`, unless its models differ)."""
+        return self.patch
 
     def convert_official(self, state: dict) -> dict:
         from diffusers.loaders import single_file_utils

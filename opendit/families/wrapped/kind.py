@@ -139,7 +139,7 @@ class DiffusersFamily(LatentImageFamily):
         return self.constant(cfg.model, "steps")
 
     def patch_size(self, cfg) -> int:
-        return self.glue.patch
+        return self.glue.patch_of(cfg.model)
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
@@ -167,7 +167,7 @@ class DiffusersFamily(LatentImageFamily):
         return dataclasses.replace(cfg, num_classes=0)
 
     def size_step(self, cfg, encoders) -> int:
-        return self._downsampling(encoders.vae) * self.glue.patch
+        return self._downsampling(encoders.vae) * self.patch_size(cfg)
 
     def downsampling(self, loaded) -> int:
         """Pixels per side of one position of the model's input: the VAE's downsampling (x the 2x2 patches the
@@ -180,7 +180,7 @@ class DiffusersFamily(LatentImageFamily):
     # ---- model ---------------------------------------------------------------------------------------------
     def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
         vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
-        down, patch, packed = self._downsampling(vae), self.glue.patch, self.glue.outside_patch
+        down, patch, packed = self._downsampling(vae), self.patch_size(cfg), self.glue.outside_patch
         if cfg.image_size % (down * patch):
             raise ValueError(f"--image_size {cfg.image_size} must be a multiple of {down * patch} (the VAE's "
                              f"downsampling x {cfg.model}'s {patch}x{patch} patches)")
@@ -192,7 +192,7 @@ class DiffusersFamily(LatentImageFamily):
         for name in self.glue.unused_parameters(model):
             model.get_parameter(name).requires_grad_(False)
         # (text, image or video) tokens per sample, for the FLOP count
-        tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.glue.patch ** 2
+        tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.patch_size(cfg) ** 2
         model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), tokens)
         return model
 

@@ -46,10 +46,11 @@ class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
             near = 1 + temporal * round((frames - 1) / temporal)
             raise ValueError(f"--num_frames {frames}: {cfg.model}'s autoencoder keeps the first frame and packs every "
                              f"{temporal} after it: use 1 + {temporal}k frames (e.g. {near})")
+        step = spatial * self.patch_size(cfg)
         for side in (height, width):
-            if side % (spatial * self.glue.patch):
-                raise ValueError(f"--image_size {side} must be a multiple of {spatial * self.glue.patch} (the VAE's "
-                                 f"downsampling x {cfg.model}'s patch)")
+            if side % step:
+                raise ValueError(f"--image_size {side} must be a multiple of {step} (the VAE's downsampling x "
+                                 f"{cfg.model}'s patch)")
         return channels, (frames - 1) // temporal + 1, height // spatial, width // spatial
 
     def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
