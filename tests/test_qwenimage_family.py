@@ -89,7 +89,8 @@ def test_samples_equal_the_pipelines_own_images(tmp_path, qwen25vl):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from opendit.families import LoadedModel
-    from opendit.families.wrapped.qwenimage import SCHEDULER, _pack
+    from opendit.families.wrapped.glue import pack
+    from opendit.families.wrapped.qwenimage import SCHEDULER
     from opendit.seeding import sampling_generator
     family, cfg, enc, model = _parts(qwen25vl, save_tiny_qwen_vae(tmp_path / "vae"))
     loaded = LoadedModel(family, model, enc, cfg, (16, 4, 4), "random")
@@ -101,7 +102,7 @@ def test_samples_equal_the_pipelines_own_images(tmp_path, qwen25vl):
                              enc.text.tokenizer, model)
     noise = torch.randn(3, 16, 4, 4, generator=sampling_generator(5, 2))
     theirs = pipe(prompt=["a handwritten one", "the digit seven", "a handwritten one"], negative_prompt=[""] * 3,
-                  latents=_pack(noise), height=16, width=16, num_inference_steps=3, true_cfg_scale=3.0,
+                  latents=pack(noise), height=16, width=16, num_inference_steps=3, true_cfg_scale=3.0,
                   max_sequence_length=32, output_type="pil").images
     assert ours.shape == (3, 16, 16, 3)
     np.testing.assert_array_equal(ours, np.stack([np.asarray(im) for im in theirs]))

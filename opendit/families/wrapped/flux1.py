@@ -14,7 +14,7 @@ import torch
 
 from opendit.distributed import unwrap_model
 from opendit.families.wrapped.context_parallel import diffusers_plan
-from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, pipeline_part
+from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, pack, patchify, pipeline_part
 from opendit.perf import matmul_macs
 
 FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -40,16 +40,6 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
 def _pipeline():
     from diffusers import FluxPipeline
     return FluxPipeline
-
-
-def patchify(z: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, 4C, h/2, w/2], channels (c, dy, dx): the order of the pipeline's packed tokens."""
-    b, c, h, w = z.shape
-    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 4 * c, h // 2, w // 2)
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(2).transpose(1, 2)  # [B, 4C, h, w] -> [B, h * w, 4C], row by row
 
 
 class Flux1Glue(ModelGlue):

@@ -53,6 +53,17 @@ def last_block_parameters(model: nn.Module, blocks: str, modules: tuple[str, ...
     return [n for n, _ in model.named_parameters() if n.startswith(tuple(last + m for m in modules))]
 
 
+def patchify(z: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, 4C, h/2, w/2], channels (c, dy, dx): the order of FLUX.1's and Qwen-Image's packed
+    tokens."""
+    b, c, h, w = z.shape
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 4 * c, h // 2, w // 2)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(2).transpose(1, 2)  # [B, 4C, h, w] -> [B, h * w, 4C], row by row
+
+
 def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str, marker: str = "config.json"
                 ) -> Path:
     """`path` itself when it holds `marker`, else the first of its `subfolders` that does (a pipeline folder)."""

@@ -14,7 +14,7 @@ import torch
 
 from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import (ModelGlue, TextEncoder, WrappedSpec, last_block_parameters,
-                                           load_text_encoder)
+                                           load_text_encoder, pack, patchify)
 from opendit.perf import matmul_macs
 
 QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -38,16 +38,6 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True,
 def _pipeline():
     from diffusers import QwenImagePipeline
     return QwenImagePipeline
-
-
-def _patchify(z: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, 4C, h/2, w/2], channels (c, dy, dx): the order of the pipeline's packed tokens."""
-    b, c, h, w = z.shape
-    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 4 * c, h // 2, w // 2)
-
-
-def _pack(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(2).transpose(1, 2)  # [B, 4C, h, w] -> [B, h * w, 4C], row by row
 
 
 class QwenImageGlue(ModelGlue):
@@ -110,11 +100,11 @@ class QwenImageGlue(ModelGlue):
         """(z - latents_mean) / latents_std per channel (the inverse of the pipeline's decoding), then 2x2 patches."""
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1).to(z)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1).to(z)
-        return _patchify((z - mean) / std)
+        return patchify((z - mean) / std)
 
     def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
         b, _, h, w = x.shape
-        return dict(hidden_states=_pack(x), encoder_hidden_states=cond["embeds"],
+        return dict(hidden_states=pack(x), encoder_hidden_states=cond["embeds"],
                     encoder_hidden_states_mask=cond["mask"], timestep=t, img_shapes=[[(1, h, w)]] * b,
                     return_dict=False)
 
@@ -137,7 +127,7 @@ class QwenImageGlue(ModelGlue):
         return matmul_macs(model, rows_of) + len(model.transformer_blocks) * 2 * joint * joint * model.inner_dim
 
     def pipeline_latents(self, noise):
-        return _pack(noise)
+        return pack(noise)
 
     def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         """The embeddings cut to the longest prompt of the batch, as the pipeline pads them itself."""
