@@ -220,12 +220,16 @@ class DiffusersFamily(LatentImageFamily):
             return self.glue.convert_official(read_safetensors(path))
         return load_weights(path)
 
-    def _diffusers_folder(self, path) -> str | None:
+    def _diffusers_folder(self, path, other_class_is_none: bool = False) -> str | None:
+        """The folder holding the glue's transformer; one holding another class is an error (or None when asked:
+        another family may know it)."""
         folder = model_folder(path) if Path(path).is_dir() else None
         if folder is None or "_class_name" not in read_config(folder):
             return None
         found = read_config(folder)["_class_name"]
         if found != self.glue.transformer_class:
+            if other_class_is_none:
+                return None
             raise ValueError(f"{path!r} holds a {found}, not the {self.glue.transformer_class} of the {self.name} "
                              f"models ({', '.join(self.models)})")
         return folder
@@ -239,7 +243,7 @@ class DiffusersFamily(LatentImageFamily):
     def recognize_checkpoint(self, path: str):
         """A diffusers folder of the glue's transformer (a pipeline folder also names its VAE, text encoder and
         scheduler) or an official single file: the registered model whose architecture its config has."""
-        folder = self._diffusers_folder(path)
+        folder = self._diffusers_folder(path, other_class_is_none=True)
         if folder is None:
             return None if not self._is_official(path) else (dict(dataset="captions", image_size=1024), None)
         config = read_config(folder)
