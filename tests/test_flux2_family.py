@@ -151,19 +151,16 @@ def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_pat
 
 def test_the_official_flux2_dev_layout_converts_onto_diffusers_model():
     """BFL's flux2-dev.safetensors (its 299 keys and shapes, on meta) through the converter the kind uses: every
-    tensor of Flux2Transformer2DModel at the release's configuration, none left over."""
+    tensor of the registered flux2-dev (Flux2Transformer2DModel at the release's configuration), none left over."""
     from opendit.families import get_family
-    from opendit.families.wrapped.flux2 import KLEIN_4B
     from tests.test_flux_model import _read_tsv
 
     official = {k: torch.empty(shape, device="meta") for k, shape in _read_tsv("flux2-dev_state_dict.tsv")}
     assert len(official) == 299 and sum(t.numel() for t in official.values()) == 32_223_281_152
-    glue = get_family("flux2").glue
-    converted = glue.convert_official(official)
-    dev = dict(KLEIN_4B, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
-               guidance_embeds=True)
+    family = get_family("flux2")
+    converted = family.glue.convert_official(official)
     with torch.device("meta"):
-        model = glue(**dev)
+        model = family.models["flux2-dev"].build(in_channels=128)  # the registered model
     assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape)
                                                                  for k, v in model.state_dict().items()}
     assert model._block_lists == ("transformer_blocks", "single_transformer_blocks")
@@ -225,9 +222,11 @@ def test_options_the_pipeline_does_not_reach_are_refused_not_ignored():
     from opendit.families import get_family
     family = get_family("flux2")
     cfg = cfglib.TrainConfig(model="flux2-klein-debug")
-    with pytest.raises(ValueError, match="--cache, --cfg_parallel, --vae_tiling: flux2-klein-debug samples and decodes "
-                                         "through its diffusers pipeline \\(Flux2KleinPipeline\\)"):
+    with pytest.raises(ValueError, match="--cache teacache, --cfg_parallel, --vae_tiling: flux2-klein-debug samples "
+                                         "and decodes through its diffusers pipeline \\(Flux2KleinPipeline\\)"):
         family.make_sampler(cfglib.SampleConfig(cache="teacache", cfg_parallel=True, vae_tiling=True), cfg)
+    with pytest.raises(ValueError, match="--cache fbcache with --sequence_parallel_size"):
+        family.make_sampler(cfglib.SampleConfig(cache="fbcache", sequence_parallel_size=2), cfg)
 
 
 def test_the_demo_recipe_runs(tmp_path, qwen):

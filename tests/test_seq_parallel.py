@@ -90,10 +90,10 @@ def test_docs_plan_table_matches_what_models_declare():
         assert replicated == ", ".join(plan.replicated), name
         assert not {"enable_sequence_parallel", "set_kernels"} & set(vars(cls)), f"{name} hand-writes a switch"
     from opendit.families.wrapped.flux1 import Flux1Glue
-    from opendit.families.wrapped.flux2 import Flux2KleinGlue
+    from opendit.families.wrapped.flux2 import Flux2Glue
     from opendit.families.wrapped.qwenimage import QwenImageGlue
     from opendit.families.wrapped.wan21 import Wan21Glue
-    for name, glue in (("FLUX.1 (diffusers)", Flux1Glue), ("FLUX.2 [klein]", Flux2KleinGlue),
+    for name, glue in (("FLUX.1 (diffusers)", Flux1Glue), ("FLUX.2 [klein]", Flux2Glue),
                        ("Qwen-Image", QwenImageGlue), ("Wan2.1 (diffusers)", Wan21Glue)):
         kinds, _, split, replicated = rows[name]
         plan = glue.parallel_plan

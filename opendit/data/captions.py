@@ -19,6 +19,7 @@ import logging
 import os
 
 import numpy as np
+import torch
 from PIL import Image
 
 from opendit.data.digits import DigitsDataset
@@ -256,3 +257,23 @@ def distinct_captions(dataset, k: int) -> list[tuple[int, str]]:
             if len(found) == k:
                 break
     return [(i, c) for c, i in found.items()]
+
+
+class LabelledCaptions(torch.utils.data.Dataset):
+    """(image, caption) items -> (image, label, caption), the layout preprocess.py stores (label: the digit of
+    the captioned digits, else 0)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.labels = dataset, getattr(dataset, "labels", None)
+        self.num_classes = 0
+
+    @property
+    def _bad(self):  # indices the dataset replaced because their file was unreadable
+        return getattr(self.dataset, "_bad", ())
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        image, caption = self.dataset[i]
+        return image, int(self.labels[i]) if self.labels is not None else 0, caption

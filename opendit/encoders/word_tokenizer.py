@@ -22,8 +22,10 @@ def t5_word_tokenizer(words, max_length: int = 512):
 
 
 CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]  # pad (Qwen's), turn markers, unknown
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+# a message's content: a string, or a list of {"type": "text", "text": ...} parts (FLUX.2 [dev]'s Mistral format)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for part in m['content'] %}{{ part['text'] }} {% endfor %}{% endif %}<|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
 
 def chat_word_tokenizer(words, max_length: int = 512):

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from opendit.booster import shard_frozen
 from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
+from opendit.data.captions import LabelledCaptions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
 from opendit.encoders.text import (CLIP_SOURCE, T5_SOURCE, FixedEmbeddings, encoder_dtype, load_t5_encoder,
                                    load_text_encoder, t5_encoder_dim, text_encoder_dim)
@@ -372,7 +373,7 @@ class FluxFamily(LatentImageFamily):
 
     def cache_source(self, cfg, encoders):
         """(image [3, H, W] in [-1, 1], label (the digit, or 0), caption) per item, no random flips."""
-        return _Labelled(super().cache_source(cfg, encoders))
+        return LabelledCaptions(super().cache_source(cfg, encoders))
 
     @torch.no_grad()
     def cache_encode(self, encoders: FluxEncoders, x, captions=None) -> dict:
@@ -386,23 +387,3 @@ class FluxFamily(LatentImageFamily):
         """Arrays stored once per cache: the empty caption's embeddings (text dropout while training)."""
         t5, clip = encoders.empty_embeddings("cpu")
         return {"empty_t5": t5, "empty_clip": clip}
-
-
-class _Labelled(torch.utils.data.Dataset):
-    """(image, caption) items -> (image, label, caption), the layout preprocess.py stores (label: the digit of
-    the captioned digits, else 0)."""
-
-    def __init__(self, dataset):
-        self.dataset, self.labels = dataset, getattr(dataset, "labels", None)
-        self.num_classes = 0
-
-    @property
-    def _bad(self):  # indices the dataset replaced because their file was unreadable
-        return getattr(self.dataset, "_bad", ())
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        image, caption = self.dataset[i]
-        return image, int(self.labels[i]) if self.labels is not None else 0, caption

@@ -1,24 +1,29 @@
-"""FLUX.2 [klein] through diffusers' own Flux2Transformer2DModel and Flux2KleinPipeline.
+"""FLUX.2 [klein] and [dev] through diffusers' own Flux2Transformer2DModel and Flux2KleinPipeline / Flux2Pipeline.
 
-Its prompt embedding is the pipeline's: each prompt in Qwen3's chat template, padded to max_sequence_length, the
-hidden states of three of Qwen3's layers stacked per token (3 x 2560 = 7680 wide for the 4B model). Images go
-through AutoencoderKLFlux2 (32 channels, 8x down), are patched 2x2 (128 channels) and normalised by the VAE's
-batch-norm statistics, then packed into tokens with 4-D position ids (t, h, w, l), as the pipeline does.
+Their prompt embedding is the pipeline's: each prompt in the text encoder's chat template ([klein]: Qwen3's; [dev]:
+Mistral3's, with the pipeline's system message), padded to max_sequence_length, the hidden states of three of its
+layers stacked per token (3 x 2560 = 7680 wide for klein 4B, 3 x 5120 = 15360 for dev). Images go through
+AutoencoderKLFlux2 (32 channels, 8x down), are patched 2x2 (128 channels) and normalised by the VAE's batch-norm
+statistics, then packed into tokens with 4-D position ids (t, h, w, l), as the pipelines do.
 
 Training follows diffusers' FLUX.2 DreamBooth LoRA examples (examples/dreambooth/train_dreambooth_lora_flux2*.py):
 noisy = (1 - s) x + s noise, the model predicts noise - x from timestep s (the pipeline passes sigma, in [0, 1]),
-plain MSE, no guidance input. The density of s is --timestep_sampling (those scripts' --weighting_scheme:
-logit_normal, or uniform = their "none").
+plain MSE; [dev]'s guidance embedding is given TRAIN_GUIDANCE, [klein] has none. The density of s is
+--timestep_sampling (those scripts' --weighting_scheme: logit_normal, or uniform = their "none"). Sampling: [klein]
+with true classifier-free guidance (--cfg_scale); [dev] is guidance-distilled: --cfg_scale is the guidance it is
+given (the pipeline's guidance_scale), one evaluation per step.
 
     python -m opendit.families.wrapped.flux2 outputs/tiny_qwen3   # a tiny random Qwen3 + tokenizer for the demo
+    python -m opendit.families.wrapped.flux2 outputs/tiny_mistral3 --encoder mistral3   # flux2-dev-debug's
 """
 import argparse
 
 import torch
 
-from opendit.perf import matmul_macs
+from opendit.distributed import unwrap_model
 from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
+from opendit.perf import matmul_macs
 
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
@@ -27,8 +32,13 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
 # 3 layers) conditions it
 KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                    joint_attention_dim=48, timestep_guidance_channels=64, axes_dims_rope=(4, 4, 4, 4))
-# text_layers: the Qwen3 hidden states stacked into the prompt embedding; steps and cfg: sampling defaults;
-# text_params: the text encoder's parameters (the memory planner counts them without reading the folder)
+# FLUX.2 [dev]: 8 + 48 blocks 6144 wide, Mistral-Small-3.1 (24B) prompts, a guidance embedding
+DEV = dict(KLEIN_4B, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+           guidance_embeds=True)
+DEV_DEBUG = dict(KLEIN_DEBUG, guidance_embeds=True)  # for a tiny Mistral3 (16 wide, layers 1-3 stacked)
+# text_layers: the text encoder's hidden states stacked into the prompt embedding; steps and cfg: sampling defaults
+# (dev: cfg is its embedded guidance); text_params: the text encoder's parameters (the memory planner counts them
+# without reading the folder); pipeline: the diffusers pipeline that samples it
 FLUX2_MODELS = {
     "flux2-klein-4b": WrappedSpec("flux2-klein-4b", "flux2", None, KLEIN_4B,
                                   dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0,
@@ -36,7 +46,14 @@ FLUX2_MODELS = {
     "flux2-klein-debug": WrappedSpec("flux2-klein-debug", "flux2", None, KLEIN_DEBUG,
                                      dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0,
                                           text_params=0)),
+    "flux2-dev": WrappedSpec("flux2-dev", "flux2", None, DEV,
+                             dict(text_layers=(10, 20, 30), max_sequence_length=512, steps=50, cfg_scale=4.0,
+                                  text_params=24.0e9, pipeline="Flux2Pipeline")),  # Mistral-Small-3.1-24B
+    "flux2-dev-debug": WrappedSpec("flux2-dev-debug", "flux2", None, DEV_DEBUG,
+                                   dict(text_layers=(1, 2, 3), max_sequence_length=48, steps=20, cfg_scale=4.0,
+                                        text_params=0, pipeline="Flux2Pipeline")),  # 48: the system message fits
 }
+TRAIN_GUIDANCE = 1.0  # [dev]'s guidance embedding while training (diffusers' examples train with --guidance_scale 1)
 # the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                  base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
@@ -47,11 +64,16 @@ def _klein():
     return Flux2KleinPipeline
 
 
-class Flux2KleinGlue(ModelGlue):
+def _dev():
+    from diffusers import Flux2Pipeline
+    return Flux2Pipeline
+
+
+class Flux2Glue(ModelGlue):
     transformer_class = "Flux2Transformer2DModel"
-    pipeline_class = "Flux2KleinPipeline"
+    pipeline_class = "Flux2KleinPipeline"  # [dev]'s: its constants' "pipeline"
+    pipeline_options = {"Flux2KleinPipeline": {"is_distilled": False}}  # the base models: true CFG
     scheduler_config = SCHEDULER
-    pipeline_options = {"is_distilled": False}  # the base models, which fine-tune and sample with true CFG
     vae_class = "AutoencoderKLFlux2"
     vae_channels, vae_params = 32, 84e6  # about: 8x down, 32 channels (128 in 2x2 patches)
     models = FLUX2_MODELS
@@ -62,13 +84,25 @@ class Flux2KleinGlue(ModelGlue):
     official_key = "single_stream_modulation.lin.weight"  # BFL's flux-2-*.safetensors
     official_converter = "convert_flux2_transformer_checkpoint_to_diffusers"
     recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
-              "no guidance input")
+              f"[dev]'s guidance embedding given {TRAIN_GUIDANCE}")
 
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
-        const = self.models[model].constants
-        return load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])
+        const, dev = self.models[model].constants, self.pipeline_name(model) == "Flux2Pipeline"
+        encoder = load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])
+        expected, tiny = ("Mistral3", " --encoder mistral3") if dev else ("Qwen3", "")
+        if expected not in type(encoder.model).__name__:
+            raise ValueError(f"--text_encoder {path}: a {type(encoder.model).__name__}, not the {expected} model "
+                             f"{model} is conditioned by (its pipeline folder, or for a debug model: python -m "
+                             f"opendit.families.wrapped.flux2 DIR{tiny})")
+        encoder.pipeline = _dev() if dev else _klein()  # whose prompt encoding
+        return encoder
 
     def encode_prompts(self, encoder: TextEncoder, captions, device) -> dict:
+        """The pipeline's own prompt encoding: [dev]'s Mistral3 (its system message), [klein]'s Qwen3."""
+        if encoder.pipeline is _dev():
+            return {"embeds": _dev()._get_mistral_3_small_prompt_embeds(
+                encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32, device=device,
+                max_sequence_length=encoder.max_length, hidden_states_layers=encoder.layers)}
         return {"embeds": _klein()._get_qwen3_prompt_embeds(
             encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32, device=device,
             max_sequence_length=encoder.max_length, hidden_states_layers=encoder.layers)}
@@ -86,9 +120,11 @@ class Flux2KleinGlue(ModelGlue):
 
     def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
         pipe, embeds = _klein(), cond["embeds"]
+        guidance = torch.full((len(x),), TRAIN_GUIDANCE, device=x.device) \
+            if unwrap_model(model).config.guidance_embeds else None
         return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
                     img_ids=pipe._prepare_latent_ids(x).to(x.device),
-                    txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=None, return_dict=False)
+                    txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=guidance, return_dict=False)
 
     def from_output(self, out, shape):
         b, c, h, w = shape
@@ -114,9 +150,11 @@ class Flux2KleinGlue(ModelGlue):
 
     def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         const = self.models[loaded.cfg.model].constants
-        return dict(prompt_embeds=cond["embeds"], negative_prompt_embeds=negative["embeds"],
-                    guidance_scale=sample_cfg.cfg_scale,
-                    max_sequence_length=const["max_sequence_length"], text_encoder_out_layers=const["text_layers"])
+        given = dict(prompt_embeds=cond["embeds"], guidance_scale=sample_cfg.cfg_scale,
+                     max_sequence_length=const["max_sequence_length"], text_encoder_out_layers=const["text_layers"])
+        if self.pipeline_name(loaded.cfg.model) == "Flux2Pipeline":  # guidance-distilled: no negative prompt
+            return given
+        return dict(given, negative_prompt_embeds=negative["embeds"])
 
 
 def save_tiny_qwen3(folder, words="digits", hidden_size: int = 16, layers: int = 3, max_length: int = 16,
@@ -139,8 +177,36 @@ def save_tiny_qwen3(folder, words="digits", hidden_size: int = 16, layers: int =
     return str(folder)
 
 
+def save_tiny_mistral3(folder, words="digits", hidden_size: int = 16, layers: int = 3, max_length: int = 48,
+                       seed: int = 0) -> str:
+    """Write a tiny random Mistral3ForConditionalGeneration (its Mistral text model hidden_size wide, `layers` deep;
+    a one-layer Pixtral vision tower the prompts never reach) and a word-level chat tokenizer over `words` to
+    `folder`: flux2-dev-debug's text encoder (layers 1-3 stacked: 3 x 16 = 48 wide). The tokenizer stands in for the
+    release's processor, whose chat template it follows for text: the pipeline's system message, then the prompt."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from opendit.encoders.word_tokenizer import chat_word_tokenizer
+
+    tokenizer = chat_word_tokenizer(words, max_length)
+    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=hidden_size // 2, max_position_embeddings=4 * max_length,
+                         pad_token_id=tokenizer.pad_token_id)
+    vision = PixtralVisionConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1,
+                                 num_attention_heads=2, head_dim=hidden_size // 2, image_size=32, patch_size=16)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.unk_token_id)
+    torch.manual_seed(seed)
+    Mistral3ForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder")
     parser.add_argument("--words", default="digits", help="the vocabulary: digits, moving_digits or all")
-    print(save_tiny_qwen3(parser.parse_args().folder, words=parser.parse_args().words))
+    parser.add_argument("--encoder", choices=("qwen3", "mistral3"), default="qwen3",
+                        help="qwen3: flux2-klein-debug's; mistral3: flux2-dev-debug's")
+    args = parser.parse_args()
+    save = save_tiny_mistral3 if args.encoder == "mistral3" else save_tiny_qwen3
+    print(save(args.folder, words=args.words))

@@ -121,6 +121,10 @@ class TextEncoder:
     layers: tuple[int, ...] = ()  # hidden-state layers the prompt embedding stacks (FLUX.2)
     pipeline: object = None  # a pipeline holding this encoder, whose own encoding a glue runs (Qwen-Image)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
 
 def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, layers=()) -> TextEncoder:
     """A transformers text encoder (the class its config.json names) and its tokenizer from `path`: one folder
@@ -143,7 +147,7 @@ class ModelGlue:
     below. A glue is its models' constructor: glue(**config) builds the transformer."""
     transformer_class: str = ""
     pipeline_class: str = ""
-    pipeline_options: dict = {}  # the pipeline's constructor arguments beyond its components
+    pipeline_options: dict = {}  # {pipeline class name: its constructor arguments beyond its components}
     scheduler_config: dict = {}  # FlowMatchEulerDiscreteScheduler's settings of the release
     vae_class: str = "AutoencoderKL"
     vae_channels, vae_params = 4, 83_653_863  # the usual VAE's, for the memory planner (SD's AutoencoderKL)
@@ -208,12 +212,16 @@ class ModelGlue:
         1)."""
         return getattr(vae, "temporal_compression_ratio", 1)
 
-    def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] in [-1, 1] -> one posterior sample [B, C, h, w] float32 (mean + std * randn from the
-        global RNG)."""
-        from opendit.encoders.vae import posterior_sample
+    def posterior(self, vae, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images [B, 3, H, W] in [-1, 1] (video: clips [B, 3, T, H, W]) -> the VAE posterior's (mean, std) float32
+        [B, C, h, w] ([B, C, T', h, w]), unscaled: what a latent cache stores."""
         posterior = vae.encode(images.to(next(vae.parameters()).dtype)).latent_dist
-        return posterior_sample(posterior.mean, posterior.std).float()
+        return posterior.mean.float(), posterior.std.float()
+
+    def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
+        """One posterior sample (mean + std * randn from the global RNG, as training on a cache draws it)."""
+        from opendit.encoders.vae import posterior_sample
+        return posterior_sample(*self.posterior(vae, images))
 
     def to_model_space(self, vae, z: torch.Tensor) -> torch.Tensor:
         """VAE latents (a posterior sample; pixels for PixelSpace) [B, C, h, w] -> what the model denoises,
@@ -233,16 +241,22 @@ class ModelGlue:
         """The forward's first output -> the velocity noise - x, [B, C', h', w'] of `shape`."""
         raise NotImplementedError
 
-    def pipeline(self, model, vae, scheduler_folder: str | None, **components):
-        """The diffusers pipeline that samples `model` (no text encoder: prompt embeddings are passed in), with the
-        scheduler of `scheduler_folder`, else of `scheduler_config` (the release's settings); `components`: more of
-        its constructor's arguments (pipeline_components)."""
+    def pipeline_name(self, model: str) -> str:
+        """The diffusers pipeline class that samples the registered `model` (its constants' "pipeline", else
+        `pipeline_class`)."""
+        return self.models[model].constants.get("pipeline", self.pipeline_class)
+
+    def pipeline(self, model, vae, scheduler_folder: str | None, name: str | None = None, **components):
+        """The diffusers pipeline `name` (default `pipeline_class`) that samples `model` (no text encoder: prompt
+        embeddings are passed in), with the scheduler of `scheduler_folder`, else of `scheduler_config` (the
+        release's settings); `components`: more of its constructor's arguments (pipeline_components)."""
         import diffusers
         from diffusers import FlowMatchEulerDiscreteScheduler
+        name = name or self.pipeline_class
         scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
                      else FlowMatchEulerDiscreteScheduler(**self.scheduler_config))
-        pipe = getattr(diffusers, self.pipeline_class)(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
-                                                       transformer=model, **self.pipeline_options, **components)
+        pipe = getattr(diffusers, name)(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                                        transformer=model, **self.pipeline_options.get(name, {}), **components)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

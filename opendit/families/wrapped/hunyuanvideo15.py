@@ -110,11 +110,10 @@ class HunyuanVideo15Glue(ModelGlue):
         vae.decode = _one_clip_at_a_time(vae.decode)
         return vae
 
-    def encode_images(self, vae, images):
-        """One posterior sample of each clip [C, T, H, W] (encoded one at a time: see _one_clip_at_a_time)."""
-        from opendit.encoders.vae import posterior_sample
+    def posterior(self, vae, images):
+        """Each clip [C, T, H, W] encoded one at a time (see _one_clip_at_a_time)."""
         found = [vae.encode(clip[None].to(next(vae.parameters()).dtype)).latent_dist for clip in images]
-        return posterior_sample(torch.cat([p.mean for p in found]), torch.cat([p.std for p in found])).float()
+        return torch.cat([p.mean for p in found]).float(), torch.cat([p.std for p in found]).float()
 
     def vae_geometry(self, vae) -> tuple[int, int]:
         if not hasattr(vae, "spatial_compression_ratio"):  # the memory planner's stand-in

@@ -6,14 +6,14 @@ sampled through the model's own diffusers pipeline.
 What differs per model is its glue (opendit.families.wrapped.glue.ModelGlue): prompts -> embeddings, images -> the
 model's token space, the forward's arguments, the pipeline. A family is `DiffusersFamily(name, glue)`.
 
-Data: the captioned digits demo (pixel space, through PixelSpace), or a folder of captioned images / a CSV or JSONL
-of path,caption through the model's VAE. Caption dropout for classifier-free guidance replaces a caption's
-embedding by the empty caption's (p = --caption_dropout_prob).
+Data: the captioned digits demo (pixel space, through PixelSpace), a folder of captioned images / a CSV or JSONL
+of path,caption through the model's VAE, or a latent cache of either (cache.py). Caption dropout for classifier-free
+guidance replaces a caption's embedding by the empty caption's (p = --caption_dropout_prob).
 """
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +22,14 @@ from safetensors import safe_open
 
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
-from opendit.data import CAPTIONED_DIGITS, CAPTIONS, dataset_map
+from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
+from opendit.encoders.vae import posterior_sample
 from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
+from opendit.families.wrapped.cache import CachedConditions
+from opendit.families.wrapped.first_block_cache import DEFAULT_THRESHOLD, first_block_cache
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
 from opendit.options import opt
 from opendit.seeding import sampling_generator
@@ -44,6 +47,11 @@ class WrappedTrainOptions:
                                  TIMESTEP_SAMPLINGS)
     scheduler: str | None = opt(None, "a diffusers pipeline folder (or its scheduler/) whose sampling schedule "
                                       "samples this model; default: the model's release settings")
+
+
+@dataclass
+class WrappedCacheOptions:
+    text_encoder: str = opt("none", TEXT_HELP + ": the --model's, whose prompt embeddings a cache stores")
 
 
 @dataclass
@@ -68,12 +76,19 @@ class WrappedEncoders:
     text: object | None  # glue.TextEncoder, or FixedPrompts (previews)
     glue: ModelGlue
     empty: dict | None = None  # the empty caption's conditions, each [...] (no batch dimension)
+    cached: tuple[str, ...] = ()  # training on a cache: the names of its conditions, in its items' order
+    dtypes: dict = field(default_factory=dict)  # and their dtypes (a cache stores masks as floats)
 
     def encode(self, captions: list[str], device) -> dict[str, torch.Tensor]:
-        """captions -> the prompt's conditions {name: [B, ...]} on device (glue.encode_prompts)."""
+        """captions -> the prompt's conditions {name: [B, ...]} on device (glue.encode_prompts, run where the text
+        encoder is)."""
         found = self.text(captions) if isinstance(self.text, FixedPrompts) else \
-            self.glue.encode_prompts(self.text, captions, device)
+            self.glue.encode_prompts(self.text, captions, self.text.device)
         return {k: v.to(device) for k, v in found.items()}
+
+    def from_cache(self, arrays, device) -> dict[str, torch.Tensor]:
+        """A cached item's (or batch's) condition arrays -> the conditions, as encode gives them."""
+        return {k: v.to(device, self.dtypes[k], non_blocking=True) for k, v in zip(self.cached, arrays)}
 
     def empty_conditions(self, device) -> dict[str, torch.Tensor]:
         if self.empty is None:
@@ -84,18 +99,23 @@ class WrappedEncoders:
 
 class WrappedObjective:
     """Rectified flow in the glue's token space: x_t = (1 - t) x + t noise, target noise - x, per-sample MSE. A
-    batch is (images [B, C, H, W] in [-1, 1], captions)."""
+    batch is (images [B, C, H, W] in [-1, 1], captions), or a cached one ((mean, std), labels, captions, the
+    conditions)."""
 
     def __init__(self, encoders: WrappedEncoders, cfg):
         self.encoders, self.cfg, self.glue = encoders, cfg, encoders.glue
         self.flow = RectifiedFlow(distribution=cfg.timestep_sampling, shift=False)
 
     def prepare(self, batch, device, train: bool = True):
-        images = batch[0].to(device, non_blocking=True)
         vae = self.encoders.vae
-        z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
+        if isinstance(batch[0], (list, tuple)):  # a cache: one posterior sample, drawn as encode_images draws it
+            z = posterior_sample(*(t.to(device, non_blocking=True) for t in batch[0]))
+            cond = self.encoders.from_cache(batch[3:], device)
+        else:
+            images = batch[0].to(device, non_blocking=True)
+            z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
+            cond = self.encoders.encode(list(batch[-1]), device)  # the captions: last in an image's or a clip's item
         x = self.glue.to_model_space(vae, z).float()
-        cond = self.encoders.encode(list(batch[-1]), device)  # the captions: last in an image's or a clip's item
         p = self.cfg.caption_dropout_prob if train else 0.0
         drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
         empty = self.encoders.empty_conditions(device)
@@ -113,17 +133,20 @@ class WrappedObjective:
 @dataclass
 class PipelineSampler:
     steps: int
+    first_block_cache: float | None = None  # --cache fbcache's threshold (diffusers' First Block Cache), None: off
 
 
-class DiffusersFamily(LatentImageFamily):
+class DiffusersFamily(CachedConditions, LatentImageFamily):
     """A family of one ModelGlue's models (see the module's docstring)."""
-    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS)
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
     samplers = ("euler",)  # the pipeline's scheduler (FLUX.2: FlowMatchEulerDiscreteScheduler)
     train_options = WrappedTrainOptions
     sample_options = WrappedSampleOptions
     encoder_folders = ("vae", "text_encoder")
+    cache_options = WrappedCacheOptions
+    cache_keys = ("model", "text_encoder")  # a cache is one model's (its prompt embeddings)
     default_vae_scale = 1.0  # the glue normalises latents (FLUX.2: the VAE's batch-norm statistics)
-    cache_thresholds = {}
+    cache_thresholds = {"fbcache": DEFAULT_THRESHOLD}
 
     def __init__(self, name: str, glue: ModelGlue):
         self.name, self.glue = name, glue
@@ -149,6 +172,8 @@ class DiffusersFamily(LatentImageFamily):
         if is_none(cfg.text_encoder):
             raise ValueError(f"{cfg.model} needs --text_encoder <local folder> ({TEXT_HELP}); the demo makes a tiny "
                              f"one: RECIPE=digits bash train_diffusers.sh")
+        if training and self.dataset_spec(cfg).cache:  # the prompts are in the cache; the VAE normalises latents
+            return WrappedEncoders(vae=self._vae(cfg, device), text=None, glue=self.glue)
         text = self.glue.text_encoder(cfg.text_encoder, device, encoder_dtype(device), cfg.model)
         return WrappedEncoders(vae=self._vae(cfg, device), text=text, glue=self.glue)
 
@@ -158,7 +183,15 @@ class DiffusersFamily(LatentImageFamily):
         return self.glue.load_vae(cfg.vae, device)
 
     def dataset_options(self, cfg, encoders, spec) -> dict:
+        if spec.cache:
+            return {"seed": cfg.global_seed}
         return {"channels": self.source_channels(cfg, encoders)}
+
+    def load_data(self, cfg, encoders):
+        dataset, cfg = super().load_data(cfg, encoders)
+        if self.dataset_spec(cfg).cache:
+            self.use_cache(cfg, encoders, dataset)
+        return dataset, cfg
 
     def source_channels(self, cfg, encoders) -> int:
         return self.pixel_channels(cfg) if isinstance(encoders.vae, PixelSpace) else 3
@@ -270,15 +303,21 @@ class DiffusersFamily(LatentImageFamily):
         return prompt_conditions(sample_cfg, cfg.model)
 
     def make_sampler(self, sample_cfg, cfg) -> PipelineSampler:
-        """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored."""
-        hooked = {"--cache": sample_cfg.cache != "none", "--cfg_parallel": sample_cfg.cfg_parallel,
+        """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored; --cache
+        fbcache is diffusers' own First Block Cache."""
+        if sample_cfg.cache == "fbcache" and sample_cfg.sequence_parallel_size > 1:
+            raise ValueError("--cache fbcache with --sequence_parallel_size: diffusers' First Block Cache decides on "
+                             "each rank's own tokens, so the ranks could part ways; leave one of them out")
+        hooked = {f"--cache {sample_cfg.cache}": sample_cfg.cache not in ("none", "fbcache"),
+                  "--cfg_parallel": sample_cfg.cfg_parallel,
                   "--vae_tiling": sample_cfg.vae_tiling or sample_cfg.vae_tile_size is not None,
                   "--parallel_decode": sample_cfg.parallel_decode}
         if any(hooked.values()):
             raise ValueError(f"{', '.join(k for k, v in hooked.items() if v)}: {cfg.model} samples and decodes "
-                             f"through its diffusers pipeline ({self.glue.pipeline_class}), which this option does "
-                             f"not reach yet; leave it out")
-        return PipelineSampler(sample_cfg.num_sampling_steps)
+                             f"through its diffusers pipeline ({self.glue.pipeline_name(cfg.model)}), which this "
+                             f"option does not reach yet; leave it out")
+        return PipelineSampler(sample_cfg.num_sampling_steps,
+                               sample_cfg.cache_threshold if sample_cfg.cache == "fbcache" else None)
 
     def sampling_encoders(self, cfg, encoders, device):
         return encoders
@@ -294,11 +333,13 @@ class DiffusersFamily(LatentImageFamily):
         negative = {k: v.expand(len(indices), *v.shape[1:]) for k, v in enc.encode([sample_cfg.negative_prompt],
                                                                                    device).items()}
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
-        pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, **self.glue.pipeline_components(sample_cfg))
+        pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, self.glue.pipeline_name(loaded.cfg.model),
+                                  **self.glue.pipeline_components(sample_cfg))
         step = self.downsampling(loaded)
-        out = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
-                   height=h * step, width=w * step, output_type="np", **self.size_kwargs(loaded, noise.shape),
-                   **self.glue.pipeline_call(loaded, sample_cfg, cond, negative))
+        with first_block_cache(loaded.model, sampler.first_block_cache):
+            out = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
+                       height=h * step, width=w * step, output_type="np", **self.size_kwargs(loaded, noise.shape),
+                       **self.glue.pipeline_call(loaded, sample_cfg, cond, negative))
         return (np.asarray(out[0]) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
 
     def size_kwargs(self, loaded, shape) -> dict:
@@ -310,7 +351,10 @@ class DiffusersFamily(LatentImageFamily):
         return preview_prompts(dataset, rows, cfg.model)
 
     def preview_encoders(self, cfg, encoders: WrappedEncoders, conditions, dataset) -> WrappedEncoders:
-        captions = list(dict.fromkeys([*conditions, "", ""]))
+        if encoders.text is None:  # trained on a cache: the prompts' conditions are in it
+            return dataclasses.replace(encoders, text=FixedPrompts(self.cached_preview_prompts(encoders, conditions,
+                                                                                               dataset)))
+        captions = list(dict.fromkeys([*conditions, ""]))
         found = encoders.encode(captions, "cpu")
         table = {c: {k: v[i] for k, v in found.items()} for i, c in enumerate(captions)}
         return dataclasses.replace(encoders, text=FixedPrompts(table))

@@ -90,11 +90,10 @@ class QwenImageGlue(ModelGlue):
             return 2 ** len(vae.temperal_downsample), vae.config.z_dim
         return super().vae_geometry(vae)
 
-    def encode_images(self, vae, images):
+    def posterior(self, vae, images):
         """One frame through the causal 3-D autoencoder."""
-        from opendit.encoders.vae import posterior_sample
         posterior = vae.encode(images.to(next(vae.parameters()).dtype)[:, :, None]).latent_dist
-        return posterior_sample(posterior.mean, posterior.std)[:, :, 0].float()
+        return posterior.mean[:, :, 0].float(), posterior.std[:, :, 0].float()
 
     def to_model_space(self, vae, z):
         """(z - latents_mean) / latents_std per channel (the inverse of the pipeline's decoding), then 2x2 patches."""
