@@ -2,7 +2,8 @@
 digits (pixel space) through a tiny local Qwen3 trains and samples from the command line; prompts are encoded by
 the pipeline's own code; the loss is Z-Image's flow (model time 1 - t, target x - noise) through diffusers'
 forward; sampled images equal ZImagePipeline's own bitwise (a tiny FLUX.1-style VAE); the plugins, activation
-checkpointing and LoRA at two ranks equal the plain run; a run resumes exactly."""
+checkpointing and LoRA at two ranks equal the plain run, and sequence parallelism (opendit's plan: diffusers' class has
+none) one process, in training and sampling; a run resumes exactly."""
 import numpy as np
 import pytest
 import torch
@@ -44,6 +45,19 @@ def test_trains_and_samples_from_the_command_line(tmp_path, qwen):
     cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
         "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_sampling_writes_what_one_process_does(tmp_path, qwen):
+    """Through opendit's plan (diffusers' class has none), inside ZImagePipeline's own loop: its guidance batch holds
+    captions of different lengths, so the joint sequence carries a mask."""
+    run_trainer(zimage_cfg(tmp_path, qwen, max_steps=1))
+    common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two", "--npz",
+              "--num_sampling_steps", "3", "--cfg_scale", "2"]
+    cli("sample.py", *common, "--out", tmp_path / "one")
+    cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
+    one, sp2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2"))
+    np.testing.assert_array_equal(one, sp2)
 
 
 def _parts(qwen, vae):
@@ -113,11 +127,18 @@ def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_pat
     run_trainer(zimage_cfg(base, qwen, max_steps=2))
     lora = dict(lora_rank=4, ema_decay=0.0,
                 init_weights=str(base / "000-z-image-debug" / "checkpoints" / "step-000002" / "ema.safetensors"))
-    names = ["ddp", "zero2", "fsdp-checkpointed", "ddp-lora", "fsdp-lora"]
-    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp", grad_checkpoint=1), lora, dict(plugin="fsdp", **lora)]
+    names = ["ddp", "zero2", "fsdp-checkpointed", "ddp-lora", "fsdp-lora", "sp2-fsdp-checkpointed", "sp2-lora"]
+    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp", grad_checkpoint=1), lora, dict(plugin="fsdp", **lora),
+             dict(sequence_parallel_size=2, plugin="fsdp", grad_checkpoint=1), dict(sequence_parallel_size=2, **lora)]
     losses = dict(zip(names, run_distributed(train_each, 2, [zimage_cfg(tmp_path / n, qwen, **kw)
                                                    for n, kw in zip(names, flags)])[0]))
     for name in ("zero2", "fsdp-checkpointed"):
         np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
     np.testing.assert_allclose(losses["fsdp-lora"], losses["ddp-lora"], rtol=1e-4)
     assert losses["ddp-lora"] != losses["ddp"]
+    # sequence parallelism (opendit's plan: diffusers' class has none): both ranks see the same 4 samples, as one
+    # process does
+    _, one = run_trainer(zimage_cfg(tmp_path / "one", qwen))
+    np.testing.assert_allclose(losses["sp2-fsdp-checkpointed"], one, rtol=1e-5)
+    _, one_lora = run_trainer(zimage_cfg(tmp_path / "one-lora", qwen, **lora))
+    np.testing.assert_allclose(losses["sp2-lora"], one_lora, rtol=1e-5)

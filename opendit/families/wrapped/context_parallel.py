@@ -1,6 +1,7 @@
-"""Sequence parallelism of a diffusers transformer through diffusers' own context-parallel plan (the class's
-`_cp_plan`: which inputs are split along the sequence, which output is gathered) and its Ulysses attention (q, k, v
-all-to-all to whole heads, attention, all-to-all back), with opendit's process group and gradient convention.
+"""Sequence parallelism of a diffusers transformer through diffusers' own context-parallel machinery (a plan: which
+inputs are split along the sequence, which output is gathered; the class's `_cp_plan`, or opendit's for a class
+without one) and its Ulysses attention (q, k, v all-to-all to whole heads, attention, all-to-all back), with
+opendit's process group and gradient convention.
 
 What opendit adds to diffusers' `enable_parallelism`:
 - a device mesh over opendit's sequence-parallel groups (consecutive ranks), also on the CPU (diffusers picks a
@@ -11,6 +12,8 @@ What opendit adds to diffusers' `enable_parallelism`:
 - an error naming the sizes when a sequence does not split evenly (diffusers' Ulysses needs equal chunks, and its
   uneven variant needs all-gathers of unequal sizes, which gloo lacks).
 """
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,16 +48,21 @@ class _GradTimes(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUlysses:
-    """Split `model`'s token sequences over `group` with diffusers' context-parallel plan and Ulysses attention (the
-    one kind: `kind` is "ulysses" or "auto")."""
+def apply_diffusers_ulysses(model, group, kind: str = "ulysses", cp_plan: Callable[[], dict] | None = None,
+                            checked: tuple[str, ...] = SPLIT_INPUTS,
+                            prepare: Callable | None = None) -> DiffusersUlysses:
+    """Split `model`'s token sequences over `group` with a context-parallel plan (`cp_plan()`, a function so that
+    diffusers is imported late; None: the class's `_cp_plan`) and diffusers' Ulysses attention (the one kind: `kind`
+    is "ulysses" or "auto"). `checked`: the forward inputs whose token counts must split evenly (an error names them
+    before anything runs); `prepare(model, size)` adapts a class the plan alone cannot split (its attention
+    processors, which hold the parallel config by then, and its inputs) before the plan is applied."""
     from diffusers import ContextParallelConfig
     from diffusers.hooks.context_parallel import ContextParallelOutput, apply_context_parallel
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     size, world = dist.get_world_size(group), dist.get_world_size()
-    heads = model.config.num_attention_heads
+    heads = next(getattr(model.config, k) for k in ("num_attention_heads", "n_heads") if hasattr(model.config, k))
     if heads % size:
         raise ValueError(f"--sequence_parallel_size {size} does not divide {type(model).__name__}'s {heads} attention "
                          f"heads (Ulysses gives each rank whole heads)")
@@ -72,10 +80,13 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUly
     for module in model.modules():  # the attention processors: each dispatches to Ulysses attention
         if hasattr(getattr(module, "processor", None), "_parallel_config"):
             module.processor._parallel_config = config
-    apply_context_parallel(model, cp, model._cp_plan)
+    if prepare is not None:
+        prepare(model, size)
+    cp_plan = model._cp_plan if cp_plan is None else cp_plan()
+    apply_context_parallel(model, cp, cp_plan)
 
     def check_split(module, args, kwargs):
-        for name in SPLIT_INPUTS:
+        for name in checked:
             tokens = _token_count(module, kwargs.get(name))
             if tokens is not None and tokens % size:
                 raise ValueError(f"sequence parallelism over {size} ranks splits {name} ({tokens} tokens) into "
@@ -85,7 +96,7 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses") -> DiffusersUly
     def times_size(module, args, out):
         return _GradTimes.apply(out, size) if torch.is_grad_enabled() else out
 
-    gathered = [name for name, entry in model._cp_plan.items() if isinstance(entry, ContextParallelOutput)]
+    gathered = [name for name, entry in cp_plan.items() if isinstance(entry, ContextParallelOutput)]
     if not gathered:
         raise TypeError(f"{type(model).__name__}'s context-parallel plan gathers no single output opendit can scale "
                         f"the gradient of; its sequence cannot be split by opendit")
@@ -106,7 +117,8 @@ def _token_count(model, x) -> int | None:
     return x.shape[2] // pt * (x.shape[3] // ph) * (x.shape[4] // pw)
 
 
-def diffusers_plan(split: tuple[str, ...]) -> ParallelPlan:
-    """The parallel plan of a diffusers transformer class with a `_cp_plan` whose forward takes SPLIT_INPUTS."""
+def diffusers_plan(split: tuple[str, ...], **how) -> ParallelPlan:
+    """The parallel plan of a diffusers transformer class: its own `_cp_plan` over a forward that takes SPLIT_INPUTS,
+    or what `how` gives apply_diffusers_ulysses (cp_plan, checked, prepare)."""
     return ParallelPlan(kinds=("ulysses",), split=split, replicated=("time embedding", "modulation"),
-                        apply=apply_diffusers_ulysses)
+                        apply=functools.partial(apply_diffusers_ulysses, **how))

@@ -8,6 +8,13 @@ Clips go through its autoencoder (16x down, 4x in time after the first frame, 32
 scaling_factor; the model's input is [latents, conditioning latents (zeros for text-to-video), mask (zeros)], 65
 channels, and it predicts noise - x from time t * 1000 (the pipeline passes sigma * 1000).
 
+Sequence parallelism (diffusers' class has no context-parallel plan; opendit gives it one): each rank keeps a slice of
+the video tokens with their RoPE tables and a slice of the joint text sequence (729 image tokens, ByT5's, Qwen's)
+with its mask; the Qwen tokens are padded with masked zeros up to a length the group divides, and the blocks'
+attention masks keys only (`_key_masked_attention`), which Ulysses gathers. The video outputs equal the unsplit
+model's: padded and masked text tokens reach no video token, and masking whole rows of them only changed outputs
+that are never read.
+
 Training: the flow the pipeline samples (x_t = (1 - t) x + t noise, target noise - x, plain MSE), text-to-video
 only (the image-to-video pipeline's first-frame conditioning is not trained here). Sampling: the pipeline with its
 classifier-free guider (--cfg_scale is its guidance_scale; 1: off).
@@ -17,8 +24,10 @@ classifier-free guider (--cfg_scale is its guidance_scale; 1: off).
 import types
 
 import torch
+import torch.nn.functional as F
 
 from opendit.distributed import unwrap_model
+from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import (ModelGlue, PixelSpace, TextEncoder, WrappedSpec, last_block_parameters,
                                            load_text_encoder, pipeline_part)
 from opendit.perf import matmul_macs
@@ -45,6 +54,64 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=5.0)  # the 480p release's flow
 GLYPH_TOKENS, IMAGE_TOKENS = 256, 729  # the pipeline's ByT5 length and SigLIP token count
 
 
+def _context_parallel_plan() -> dict:
+    from diffusers.models._modeling_parallel import ContextParallelInput as Split
+    from diffusers.models._modeling_parallel import ContextParallelOutput as Gather
+    return {"rope": {0: Split(split_dim=0, expected_dims=2, split_output=True),
+                     1: Split(split_dim=0, expected_dims=2, split_output=True)},
+            "transformer_blocks.0": {"hidden_states": Split(split_dim=1, expected_dims=3),
+                                     "encoder_hidden_states": Split(split_dim=1, expected_dims=3)},
+            "transformer_blocks.*": {"attention_mask": Split(split_dim=1, expected_dims=2)},
+            "proj_out": Gather(gather_dim=1, expected_dims=3)}
+
+
+def _prepare_split(model, size: int) -> None:
+    """The blocks attend with key masks (_key_masked_attention); the Qwen tokens are padded so that the joint text
+    sequence splits evenly over `size` ranks."""
+    for block in model.transformer_blocks:
+        processor = _key_masked_attention()
+        processor._parallel_config = model._parallel_config
+        block.attn.set_processor(processor)
+
+    def pad_text(module, args, kwargs):
+        text, mask = kwargs["encoder_hidden_states"], kwargs["encoder_attention_mask"]
+        extra = -(text.shape[1] + kwargs["encoder_hidden_states_2"].shape[1] + kwargs["image_embeds"].shape[1]) % size
+        if extra:
+            kwargs = {**kwargs, "encoder_hidden_states": F.pad(text, (0, 0, 0, extra)),
+                      "encoder_attention_mask": torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)}
+        return args, kwargs
+    model.register_forward_pre_hook(pad_text, with_kwargs=True)
+
+
+def _key_masked_attention():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    class KeyMaskedAttention(HunyuanVideo15AttnProcessor2_0):
+        """diffusers' joint attention of a HunyuanVideo-1.5 block with the text mask applied to keys only ([B, 1, 1,
+        L], which Ulysses all-gathers beside the keys), where diffusers' also masks the padded text tokens' own rows
+        ([B, 1, L, L], which a split query sequence cannot take)."""
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            def heads(x):
+                return x.unflatten(2, (attn.heads, -1))
+            query, key = attn.norm_q(heads(attn.to_q(hidden_states))), attn.norm_k(heads(attn.to_k(hidden_states)))
+            query, key = (apply_rotary_emb(x, image_rotary_emb, sequence_dim=1) for x in (query, key))
+            text_query = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+            text_key = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+            query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
+            value = torch.cat([heads(attn.to_v(hidden_states)), heads(attn.add_v_proj(encoder_hidden_states))], dim=1)
+            video = hidden_states.shape[1]
+            mask = F.pad(attention_mask.bool(), (video, 0), value=True)[:, None, None, :]
+            out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                        backend=self._attention_backend, parallel_config=self._parallel_config)
+            out = out.flatten(2, 3).to(query.dtype)
+            return attn.to_out[1](attn.to_out[0](out[:, :video])), attn.to_add_out(out[:, video:])
+    return KeyMaskedAttention()
+
+
 def _pipeline():
     from diffusers import HunyuanVideo15Pipeline
     return HunyuanVideo15Pipeline
@@ -64,6 +131,10 @@ class HunyuanVideo15Glue(ModelGlue):
     # last block computes for nothing (its text tokens are dropped): adapters there would never get a gradient
     lora_targets = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj)|ff\.net\.(0\.proj|2))"
     recipe = "the flow its pipeline samples: x_t = (1 - t) x + t noise, model time 1000 t, target noise - x, plain MSE"
+    parallel_plan = diffusers_plan(split=("video tokens", "their RoPE tables", "the joint text sequence and its mask "
+                                          "(Qwen tokens padded to a multiple of the group)"),
+                                   cp_plan=_context_parallel_plan, checked=("hidden_states",),
+                                   prepare=_prepare_split)
 
     def __call__(self, **config):
         return super().__call__(**{**config, "in_channels": 2 * config["in_channels"] + 1,

@@ -10,11 +10,19 @@ x - noise (the pipeline negates its output before the Euler step). Training foll
 model time 1 - s, target x - noise, plain MSE (the loss of Z-Image's training code as diffusers' pipeline implies
 it; the velocity opendit computes is the negated output). --cfg_scale keeps opendit's convention (1: off); the
 pipeline's guidance_scale is cfg_scale - 1 (its 0 is off): pos + g (pos - neg) = neg + cfg_scale (pos - neg).
+
+Sequence parallelism (diffusers' class has no context-parallel plan; opendit gives it one): the main layers' joint
+sequence [image tokens, caption tokens] is split, with its RoPE table and mask, and gathered after the final layer;
+the refiners (one or two blocks each, before the joint sequence is built) run whole on every rank. The joint
+sequence is padded with masked tokens to a length the group divides (Z-Image pads each part to 32 tokens, so
+groups of 2, 4, ... need none); unpatchify reads only the image tokens.
 """
 import types
 
 import torch
+import torch.nn.functional as F
 
+from opendit.families.wrapped.context_parallel import diffusers_plan
 from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
 from opendit.perf import matmul_macs
 
@@ -39,6 +47,35 @@ def _pipeline():
     return ZImagePipeline
 
 
+def _context_parallel_plan() -> dict:
+    from diffusers.models._modeling_parallel import ContextParallelInput as Split
+    from diffusers.models._modeling_parallel import ContextParallelOutput as Gather
+    return {"layers.0": {"x": Split(split_dim=1, expected_dims=3)},
+            "layers.*": {"attn_mask": Split(split_dim=1, expected_dims=2),
+                         "freqs_cis": Split(split_dim=1, expected_dims=3)},
+            "all_final_layer.2-1": Gather(gather_dim=1, expected_dims=3)}  # the pipeline's patch sizes (2, 1)
+
+
+def _prepare_split(model, size: int) -> None:
+    """The refiners attend whole on every rank; each main layer's joint sequence (x, its mask and RoPE table, the
+    forward's positional arguments) is padded with masked tokens to a multiple of `size` before the plan splits it."""
+    for block in (*model.noise_refiner, *model.context_refiner):
+        block.attention.processor._parallel_config = None
+
+    def pad(layer, args):
+        x, mask, freqs = args[:3]
+        extra = -freqs.shape[1] % size
+        if not extra:
+            return None
+        if x.shape[1] == freqs.shape[1]:  # the first layer's x is whole yet; the next ones get it split
+            x = F.pad(x, (0, 0, 0, extra))
+        if mask is None:
+            mask = torch.ones(freqs.shape[:2], dtype=torch.bool, device=freqs.device)
+        return (x, F.pad(mask, (0, extra), value=False), F.pad(freqs, (0, 0, 0, extra)), *args[3:])
+    for layer in model.layers:
+        layer.register_forward_pre_hook(pad)
+
+
 def _unpadded(cond: dict) -> list[torch.Tensor]:
     return [e[m] for e, m in zip(cond["embeds"], cond["mask"])]
 
@@ -56,6 +93,9 @@ class ZImageGlue(ModelGlue):
     official_converter = "convert_z_image_transformer_checkpoint_to_diffusers"
     recipe = ("Z-Image's flow as its pipeline runs it: x_s = (1 - s) x + s noise, model time 1 - s, target x - noise, "
               "plain MSE")
+    parallel_plan = diffusers_plan(split=("the main layers' joint sequence (image and caption tokens, padded to a "
+                                          "multiple of the group) with its RoPE table and mask",),
+                                   cp_plan=_context_parallel_plan, checked=(), prepare=_prepare_split)
 
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         return load_text_encoder(path, device, dtype, self.models[model].constants["max_sequence_length"])
