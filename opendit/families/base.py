@@ -298,6 +298,12 @@ class ModelFamily:
                                         f"download its transformer/ folder too")
         return load_weights(path)
 
+    def kohya_lora_map(self, shapes: dict[str, tuple]):
+        """The modules LoRA files in the kohya/ComfyUI layout name, where they are not the model's own: an
+        opendit.lora.formats.ModuleMap {name: [(the model's Linear, its rows in that layer)]} (e.g. stacked_map);
+        shapes: the model's state-dict shapes. None: files name the model's own Linears."""
+        return None
+
     # ---- memory planning (opendit.plan) -----------------------------------------------------------------------
     def memory_probe(self, cfg, device: torch.device) -> MemoryProbe:
         """The run's latent shape and frozen encoders' bytes, from cfg alone (no encoder, folder or data read)."""

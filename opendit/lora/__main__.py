@@ -44,18 +44,20 @@ def _base(ckpt: str, model: str | None, loras: list[str]):
 
 
 def _mapping(family, state: dict):
+    """(diffusers map, the Linears, kohya map) of the base weights (opendit.lora.formats)."""
     linears = [k[:-len(".weight")] for k, v in state.items() if k.endswith(".weight") and v.ndim == 2]
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return module_map(family.weights and family.weights.lora_converter(), shapes, linears), linears
+    converter = family.weights and family.weights.lora_converter()
+    return module_map(converter, shapes, linears), linears, family.kohya_lora_map(shapes)
 
 
 def merge(args) -> None:
     family, state, settings, adapters = _base(args.ckpt, args.model, args.lora)
     if not adapters:
         raise ValueError("nothing to merge: pass --lora FILE (or a LoRA run's checkpoint as --ckpt)")
-    mapping, linears = _mapping(family, state)
+    mapping, linears, kohya = _mapping(family, state)
     for path, strength in adapters:
-        for name, a in load_adapters(path, mapping, linears).items():
+        for name, a in load_adapters(path, mapping, linears, kohya).items():
             key = f"{name}.weight"
             w, delta = state[key], a.delta()
             if delta.shape != w.shape:
@@ -68,10 +70,10 @@ def merge(args) -> None:
 
 def convert(args) -> None:
     family, state, _, _ = _base(args.ckpt, args.model, [])
-    mapping, linears = _mapping(family, state)
+    mapping, linears, kohya = _mapping(family, state)
     path, _ = parse_lora_spec(args.lora[0])
-    adapters: dict[str, Adapter] = load_adapters(path, mapping, linears)
-    save_adapters(args.out, adapters, args.layout, mapping)
+    adapters: dict[str, Adapter] = load_adapters(path, mapping, linears, kohya)
+    save_adapters(args.out, adapters, args.layout, mapping, kohya_map=kohya)
     print(f"wrote {args.out} ({len(adapters)} adapted layers, {args.layout} layout)")
 
 

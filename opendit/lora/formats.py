@@ -6,6 +6,10 @@
     kohya      lora_unet_<official module, . -> _>.lora_down.weight, .lora_up.weight  <module>.alpha (a scalar)
                (kohya sd-scripts, ComfyUI, musubi-tuner)
 
+A model whose kohya/ComfyUI files name other modules than its own (FLUX.2 through diffusers' class: BFL's fused
+`double_blocks.N.img_attn.qkv` for diffusers' to_q, to_k, to_v) gives a `kohya_map` of the same form as the diffusers
+map below, and its adapters are fused to those names on export and split back on import.
+
 A family with a diffusers converter (FLUX, Wan) gives the diffusers module names: the map from each official
 Linear to the diffusers Linears holding its rows is read off the converter itself (`module_map`), so a fused
 official layer (FLUX's qkv, or linear1 = q, k, v and the MLP input) exports as one adapter per diffusers layer
@@ -67,16 +71,36 @@ def module_map(to_diffusers: Callable[[dict], dict] | None, shapes: dict[str, tu
 
 
 # ---- the diffusers / PEFT layout -------------------------------------------------------------------------------
+def stacked_map(stacks: dict[str, tuple[str, ...]], rows_of: Callable[[str], int]) -> ModuleMap:
+    """{name: the Linears whose rows it stacks, in order} -> a ModuleMap; rows_of(Linear) is its output rows."""
+    found: ModuleMap = {}
+    for name, parts in stacks.items():
+        start = 0
+        for part in parts:
+            rows = rows_of(part)
+            found.setdefault(name, []).append((part, torch.arange(start, start + rows)))
+            start += rows
+    return found
+
+
+def split_adapters(adapters: dict[str, Adapter], mapping: ModuleMap, layout: str = "diffusers") -> dict[str, Adapter]:
+    """Adapters of mapped names -> one per Linear holding their rows (the same A, its rows of B: exact)."""
+    out = {}
+    for name, a in adapters.items():
+        if name not in mapping:
+            raise ValueError(f"{name} has no {layout} counterpart; it cannot be exported in the {layout} layout")
+        for target, rows in mapping[name]:
+            out[target] = Adapter(a.A, a.B[rows], a.alpha)
+    return out
+
+
 def to_diffusers(adapters: dict[str, Adapter], mapping: ModuleMap) -> tuple[dict, dict]:
     """-> (state dict, safetensors metadata) of the diffusers layout."""
     state, ranks, alphas = {}, {}, {}
-    for name, a in adapters.items():
-        if name not in mapping:
-            raise ValueError(f"{name} has no diffusers counterpart; it cannot be exported in the diffusers layout")
-        for target, rows in mapping[name]:
-            state[f"{DIFFUSERS_PREFIX}{target}.lora_A.weight"] = a.A.clone()  # one copy per layer: shared is refused
-            state[f"{DIFFUSERS_PREFIX}{target}.lora_B.weight"] = a.B[rows].contiguous()
-            ranks[target], alphas[target] = a.rank, a.alpha
+    for target, a in split_adapters(adapters, mapping).items():
+        state[f"{DIFFUSERS_PREFIX}{target}.lora_A.weight"] = a.A.clone()  # one copy per layer: shared is refused
+        state[f"{DIFFUSERS_PREFIX}{target}.lora_B.weight"] = a.B.contiguous()
+        ranks[target], alphas[target] = a.rank, a.alpha
     return state, {"format": "pt", METADATA_KEY: json.dumps(_lora_config(ranks, alphas), sort_keys=True)}
 
 
@@ -116,10 +140,20 @@ def from_diffusers(state: dict, metadata: dict | None, mapping: ModuleMap, sourc
     if unknown:
         raise ValueError(f"{source} adapts {len(unknown)} layers this model does not have (e.g. {unknown[0]}); is "
                          "it for another model (or a text encoder's adapter)?")
+    return fuse_adapters({t: Adapter(*piece) for t, piece in pieces.items()}, mapping, source)
+
+
+def fuse_adapters(adapters: dict[str, Adapter], mapping: ModuleMap, source: str) -> dict[str, Adapter]:
+    """Adapters of the Linears a mapping's names stack -> one per name (split_adapters' inverse); an adapter of a
+    Linear no name holds is a ValueError."""
+    where = {target: (name, rows) for name, parts in mapping.items() for target, rows in parts}
     grouped: dict[str, list] = {}
-    for target, (A, B, alpha) in pieces.items():
+    for target, a in adapters.items():
+        if target not in where:
+            raise ValueError(f"{source}: {target} has no counterpart in the file's layout (its layers: e.g. "
+                             f"{next(iter(mapping), '-')}); it cannot be written there")
         name, rows = where[target]
-        grouped.setdefault(name, []).append((rows, A, B, alpha))
+        grouped.setdefault(name, []).append((rows, a.A, a.B, a.alpha))
     # the official layer's rows are those of all its diffusers layers, adapted or not (a piece left out is refused)
     return {name: _fuse(parts, sum(len(r) for _, r in mapping[name]), name, source)
             for name, parts in grouped.items()}
@@ -230,20 +264,27 @@ def read_file(path: str) -> tuple[dict, dict]:
                          "again") from None
 
 
-def load_adapters(path: str, mapping: ModuleMap, linears: list[str]) -> dict[str, Adapter]:
-    """A LoRA file in either layout -> adapters under official module names (fp32)."""
+def load_adapters(path: str, mapping: ModuleMap, linears: list[str],
+                  kohya_map: ModuleMap | None = None) -> dict[str, Adapter]:
+    """A LoRA file in either layout -> adapters under the model's module names (fp32); kohya_map: the kohya
+    layout's names, when they are not the model's."""
     state, metadata = read_file(path)
-    layout = detect_layout(state)
-    adapters = from_kohya(state, linears, path) if layout == "kohya" else \
-        from_diffusers(state, metadata, mapping, path)
+    if detect_layout(state) == "diffusers":
+        adapters = from_diffusers(state, metadata, mapping, path)
+    elif kohya_map is None:
+        adapters = from_kohya(state, linears, path)
+    else:
+        adapters = split_adapters(from_kohya(state, list(kohya_map), path), kohya_map, "kohya")
     return {n: Adapter(a.A.float(), a.B.float(), a.alpha) for n, a in adapters.items()}
 
 
 def save_adapters(path: str, adapters: dict[str, Adapter], layout: str, mapping: ModuleMap | None = None,
-                  metadata: dict | None = None) -> None:
-    """Write `adapters` in `layout` (diffusers needs `mapping`); metadata: extra string fields (e.g. the base
-    weights' name and hash)."""
+                  metadata: dict | None = None, kohya_map: ModuleMap | None = None) -> None:
+    """Write `adapters` in `layout` (diffusers needs `mapping`; kohya takes `kohya_map` where its names are not the
+    model's); metadata: extra string fields (e.g. the base weights' name and hash)."""
     if layout == "kohya":
+        if kohya_map is not None:
+            adapters = fuse_adapters(adapters, kohya_map, path)
         state, meta = to_kohya(adapters), {"format": "pt", "ss_network_module": "networks.lora"}
     else:
         state, meta = to_diffusers(adapters, mapping)

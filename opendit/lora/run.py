@@ -31,10 +31,18 @@ def check_lora_flags(cfg) -> None:
                          "--init_weights (an official checkpoint, a diffusers folder, an EMA export)")
 
 
+def _shapes(model: nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
+
+
 def family_module_map(family, model: nn.Module) -> ModuleMap:
     """The family's official -> diffusers Linear map for `model` (meta tensors are fine)."""
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" not in k}
-    return module_map(family.weights and family.weights.lora_converter(), shapes, linear_names(model))
+    return module_map(family.weights and family.weights.lora_converter(), _shapes(model), linear_names(model))
+
+
+def family_kohya_map(family, model: nn.Module) -> ModuleMap | None:
+    """The module names of the family's kohya/ComfyUI files for `model`, where they are not its own (else None)."""
+    return family.kohya_lora_map(_shapes(model))
 
 
 def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:
@@ -47,7 +55,8 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
     full_run = [p for p in model.parameters() if p.requires_grad]  # what a run without LoRA would train
     names = add_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
     if cfg.init_lora:
-        adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model))
+        adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model),
+                                 family_kohya_map(family, model))
         load_trained_adapters(model, adapters, f"--init_lora {cfg.init_lora}")
     cast = cast_frozen_linears(model, compute_dtype) if compute_dtype != torch.float32 else 0
     if cfg.master_weights != "fp32":  # bf16 weights run without autocast (the ddp plugin casts the inputs): the
@@ -62,7 +71,8 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
     return names
 
 
-def export_lora(folder: str, model: nn.Module, ema, mapping: ModuleMap, metadata: dict) -> list[str]:
+def export_lora(folder: str, model: nn.Module, ema, mapping: ModuleMap, metadata: dict,
+                kohya_map: ModuleMap | None = None) -> list[str]:
     """Write the trained adapters (the EMA's when there is one) in both layouts into `folder` on rank 0; returns
     the file names there ([] elsewhere). A collective: sharded adapters are gathered on every rank."""
     ema_state = ema.full_state_dict(rank0_only=True) if ema is not None else None  # {} on the other ranks
@@ -72,7 +82,7 @@ def export_lora(folder: str, model: nn.Module, ema, mapping: ModuleMap, metadata
         return []
     adapters = trained_adapters(model, ema_state)
     for layout, name in EXPORTS.items():
-        save_adapters(os.path.join(folder, name), adapters, layout, mapping, metadata)
+        save_adapters(os.path.join(folder, name), adapters, layout, mapping, metadata, kohya_map)
     return list(EXPORTS.values())
 
 
@@ -119,7 +129,7 @@ def apply_lora_files(model: nn.Module, family, specs: list[tuple[str, float]]) -
     """Attach each LoRA file to the (loaded) model at its strength, unmerged."""
     if not specs:
         return
-    mapping, linears = family_module_map(family, model), linear_names(model)
+    mapping, linears, kohya = family_module_map(family, model), linear_names(model), family_kohya_map(family, model)
     for path, strength in specs:
-        n = attach_adapters(model, load_adapters(path, mapping, linears), strength, source=path)
+        n = attach_adapters(model, load_adapters(path, mapping, linears, kohya), strength, source=path)
         logger.info("LoRA %s at strength %g on %d layers", path, strength, n)

@@ -21,7 +21,7 @@ from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.parallel import enable_sequence_parallel, plan_of
-from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_module_map,
+from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_kohya_map, family_module_map,
                               weights_fingerprint)
 from opendit.optim import LeanOptimizer, build_optimizer
 from opendit.perf import MFUMeter
@@ -146,6 +146,7 @@ class Trainer:
             flops *= 2 / 3
         self.mfu = MFUMeter(flops, world_size=self.dist.world_size, device=self.dist.device)
         self.lora_map = family_module_map(self.family, model) if cfg.lora_rank else None
+        self.lora_kohya_map = family_kohya_map(self.family, model) if cfg.lora_rank else None
         return model
 
     def _split_validation(self):

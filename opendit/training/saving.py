@@ -45,7 +45,7 @@ class RunSaver:
         if trainer.lora_base is not None:  # the adapters for sample.py, diffusers and ComfyUI, naming their base
             names = export_lora(path, trainer.model, trainer.ema, trainer.lora_map, {
                 "opendit_model": trainer.cfg.model, "opendit_base": trainer.lora_base["path"],
-                "opendit_base_sha256": trainer.lora_base["sha256"]})
+                "opendit_base_sha256": trainer.lora_base["sha256"]}, trainer.lora_kohya_map)
             if names:  # rank 0 wrote them
                 record_files(path, names)
         elif trainer.ema is not None:  # without one, sample.py reads the checkpoint's weights

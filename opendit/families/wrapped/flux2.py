@@ -86,6 +86,32 @@ class Flux2Glue(ModelGlue):
     recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
               f"[dev]'s guidance embedding given {TRAIN_GUIDANCE}")
 
+    def kohya_lora_map(self, shapes: dict[str, tuple]):
+        """BFL's module names, as kohya/ComfyUI/musubi-tuner files of FLUX.2 use them (and diffusers'
+        _convert_kohya_flux2_lora_to_diffusers reads them): a double block's fused img_attn.qkv / txt_attn.qkv hold
+        diffusers' to_q, to_k, to_v / add_*_proj rows; the rest are one Linear each."""
+        from opendit.lora.formats import stacked_map
+
+        def count(blocks: str) -> int:
+            return len({k.split(".")[1] for k in shapes if k.startswith(blocks + ".")})
+        stacks = {}
+        for i in range(count("transformer_blocks")):
+            d, b = f"double_blocks.{i}", f"transformer_blocks.{i}"
+            stacks |= {f"{d}.img_attn.qkv": (f"{b}.attn.to_q", f"{b}.attn.to_k", f"{b}.attn.to_v"),
+                       f"{d}.txt_attn.qkv": (f"{b}.attn.add_q_proj", f"{b}.attn.add_k_proj", f"{b}.attn.add_v_proj"),
+                       f"{d}.img_attn.proj": (f"{b}.attn.to_out.0",), f"{d}.txt_attn.proj": (f"{b}.attn.to_add_out",),
+                       f"{d}.img_mlp.0": (f"{b}.ff.linear_in",), f"{d}.img_mlp.2": (f"{b}.ff.linear_out",),
+                       f"{d}.txt_mlp.0": (f"{b}.ff_context.linear_in",),
+                       f"{d}.txt_mlp.2": (f"{b}.ff_context.linear_out",)}
+        for i in range(count("single_transformer_blocks")):
+            b = f"single_transformer_blocks.{i}.attn"
+            stacks |= {f"single_blocks.{i}.linear1": (f"{b}.to_qkv_mlp_proj",),
+                       f"single_blocks.{i}.linear2": (f"{b}.to_out",)}
+        stacks |= {"img_in": ("x_embedder",), "txt_in": ("context_embedder",), "final_layer.linear": ("proj_out",),
+                   "time_in.in_layer": ("time_guidance_embed.timestep_embedder.linear_1",),
+                   "time_in.out_layer": ("time_guidance_embed.timestep_embedder.linear_2",)}
+        return stacked_map(stacks, lambda name: shapes[f"{name}.weight"][0])
+
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         const, dev = self.models[model].constants, self.pipeline_name(model) == "Flux2Pipeline"
         encoder = load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])

@@ -184,6 +184,12 @@ class ModelGlue:
     def __name__(self) -> str:  # as a class constructor's: the help texts name the model class
         return self.transformer_class
 
+    def kohya_lora_map(self, shapes: dict[str, tuple]):
+        """The release's module names that kohya/ComfyUI LoRA files of this model use, where they are not diffusers'
+        (ModelFamily.kohya_lora_map); None: diffusers' names (what diffusers' own converter of such files reads for
+        Z-Image, Qwen-Image)."""
+        return None
+
     def unused_parameters(self, model) -> list[str]:
         """Parameters the forward computes with but whose result it discards (they never get a gradient): frozen, so
         every plugin and the optimizer's checkpoint treat the model as fully used."""

@@ -253,6 +253,9 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
             return self.glue.convert_official(read_safetensors(path))
         return load_weights(path)
 
+    def kohya_lora_map(self, shapes: dict[str, tuple]):
+        return self.glue.kohya_lora_map(shapes)
+
     def _diffusers_folder(self, path, other_class_is_none: bool = False) -> str | None:
         """The folder holding the glue's transformer; one holding another class is an error (or None when asked:
         another family may know it)."""
