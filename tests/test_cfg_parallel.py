@@ -1,8 +1,9 @@
 """CFG-parallel sampling (--cfg_parallel): each rank of a CFG pair runs the model on its half of guidance's
-[cond; uncond] batch and the halves are all-gathered, so every rank holds what one process computes. The hook
-on a 2-rank gloo group equals the whole batch; sample.py --cfg_parallel under torchrun writes the samples one
-process writes (DiT, FLUX, Wan; DiT also at CFG 2 x SP 2); wrong world sizes and unguided runs are clear
-errors."""
+[cond; uncond] batch (or one call of a pipeline's pair of calls) and the halves are all-gathered, so every rank holds
+what one process computes. The hook on a 2-rank gloo group equals the whole batch, the pairs mode the one-process
+loop; sample.py --cfg_parallel under torchrun writes the samples one process writes (DiT, FLUX, Wan; DiT also at
+CFG 2 x SP 2; the models through diffusers' pipelines: their family tests); wrong world sizes and unguided runs are
+clear errors."""
 import os
 import subprocess
 import sys
@@ -53,6 +54,56 @@ def test_two_ranks_halves_equal_the_whole_batch():
         # each rank's half is a batch of 2 instead of 4: the same per-sample math, up to matmul blocking
         torch.testing.assert_close(guided, whole, rtol=1e-5, atol=1e-6)
         assert sent == whole.numel() // 2 * 4  # one all-gather per call: the other rank gets this rank's half
+
+
+class _PairCalled(torch.nn.Module):
+    """A model a pipeline calls twice per step (conditional, then unconditional) with keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states):
+        return (self.proj(hidden_states) * timestep + encoder_hidden_states.mean(1, keepdim=True),)
+
+
+def _pipeline_loop(model, steps, cond, uncond, change_at=None):
+    """A pipeline's guidance loop: both calls per step, the conditions the same tensors every step."""
+    x = torch.ones(2, 3, 4)
+    for i in range(steps):
+        if i == change_at:
+            uncond = uncond + 1
+        pos = model(hidden_states=x, timestep=1.0 - i / steps, encoder_hidden_states=cond)[0]
+        neg = model(hidden_states=x, timestep=1.0 - i / steps, encoder_hidden_states=uncond)[0]
+        x = x - 0.1 * (neg + 3.0 * (pos - neg))
+    return x
+
+
+def _paired_calls(rank, world):
+    from opendit.parallel import CommCounter, enable_cfg_parallel
+
+    model, cond, uncond = _PairCalled(), torch.randn(2, 5, 4), torch.randn(2, 7, 4)
+    with torch.no_grad():
+        whole = _pipeline_loop(model, 4, cond, uncond)
+        model.cfg_calls = "pairs"
+        counter = CommCounter()
+        (hooks,) = enable_cfg_parallel(model, torch.distributed.group.WORLD, counter)
+        split = _pipeline_loop(model, 4, cond, uncond)
+        hooks.remove()
+        enable_cfg_parallel(model, torch.distributed.group.WORLD)
+        with pytest.raises(RuntimeError, match=r"unconditional call changed \['encoder_hidden_states'\]"):
+            _pipeline_loop(model, 4, cond, uncond, change_at=2)
+    return torch.equal(split, whole), counter.total("cfg.all_gather")
+
+
+def test_pairs_of_calls_split_over_two_ranks_equal_one_process():
+    """model.cfg_calls "pairs" (diffusers' pipelines that call the model for each guidance branch): the first step
+    whole, then each rank computes one call of the pair; bitwise the one-process loop, one all-gather per later step,
+    and a pipeline that changes the swapped conditions is an error."""
+    for equal, sent in run_distributed(_paired_calls, 2):
+        assert equal
+        assert sent == 3 * 2 * 3 * 4 * 4  # steps 2-4: each rank's [2, 3, 4] output, 4 bytes each
 
 
 @pytest.mark.parametrize("world, sp, match", [

@@ -54,14 +54,16 @@ def test_trains_and_samples_from_the_command_line(tmp_path, qwen):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_sampling_writes_what_one_process_does(tmp_path, qwen):
+def test_sequence_and_cfg_parallel_sampling_write_what_one_process_does(tmp_path, qwen):
     run_trainer(flux2_cfg(tmp_path, qwen, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a one", "a two", "a three", "--num_samples", "3",
               "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz"]
     cli("sample.py", *common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
-    one, sp2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2"))
+    cli("sample.py", *common, "--cfg_parallel", "--out", tmp_path / "cfg2", nproc=2)
+    one, sp2, cfg2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2", "cfg2"))
     np.testing.assert_array_equal(one, sp2)
+    np.testing.assert_array_equal(one, cfg2)
 
 
 def _family_parts(qwen, vae_folder):
@@ -222,11 +224,16 @@ def test_options_the_pipeline_does_not_reach_are_refused_not_ignored():
     from opendit.families import get_family
     family = get_family("flux2")
     cfg = cfglib.TrainConfig(model="flux2-klein-debug")
-    with pytest.raises(ValueError, match="--cache teacache, --cfg_parallel, --vae_tiling: flux2-klein-debug samples "
+    with pytest.raises(ValueError, match="--cache teacache, --vae_tiling: flux2-klein-debug samples "
                                          "and decodes through its diffusers pipeline \\(Flux2KleinPipeline\\)"):
-        family.make_sampler(cfglib.SampleConfig(cache="teacache", cfg_parallel=True, vae_tiling=True), cfg)
+        family.make_sampler(cfglib.SampleConfig(cache="teacache", vae_tiling=True), cfg)
     with pytest.raises(ValueError, match="--cache fbcache with --sequence_parallel_size"):
         family.make_sampler(cfglib.SampleConfig(cache="fbcache", sequence_parallel_size=2), cfg)
+    with pytest.raises(ValueError, match="--cache fbcache with --cfg_parallel"):
+        family.make_sampler(cfglib.SampleConfig(cache="fbcache", cfg_parallel=True), cfg)
+    dev = cfglib.TrainConfig(model="flux2-dev-debug")
+    with pytest.raises(ValueError, match="--cfg_parallel: flux2-dev-debug is guidance-distilled"):
+        family.make_sampler(cfglib.SampleConfig(cfg_parallel=True), dev)
 
 
 def test_the_demo_recipe_runs(tmp_path, qwen):

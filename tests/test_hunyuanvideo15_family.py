@@ -49,16 +49,19 @@ def test_trains_and_samples_clips_from_the_command_line(tmp_path, encoders_folde
 
 
 @pytest.mark.slow
-def test_sequence_parallel_sampling_writes_what_one_process_does(tmp_path, encoders_folder):
+def test_sequence_and_cfg_parallel_sampling_write_what_one_process_does(tmp_path, encoders_folder):
     """diffusers' class has no context-parallel plan; opendit's splits the clip's tokens and the joint text sequence
-    (odd here: its Qwen tokens get padded) inside HunyuanVideo15Pipeline's own loop."""
+    (odd here: its Qwen tokens get padded) inside HunyuanVideo15Pipeline's own loop. Its guider calls the model for
+    each guidance branch: --cfg_parallel puts the two calls of a step on two ranks."""
     run_trainer(hv_cfg(tmp_path, encoders_folder, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left", "the digit 3",
               "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz"]
     cli("sample.py", *common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
-    one, sp2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2"))
+    cli("sample.py", *common, "--cfg_parallel", "--out", tmp_path / "cfg2", nproc=2)
+    one, sp2, cfg2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2", "cfg2"))
     np.testing.assert_array_equal(one, sp2)
+    np.testing.assert_array_equal(one, cfg2)
 
 
 def _parts(encoders_folder, vae, **kw):

@@ -54,6 +54,21 @@ def _parts(encoder, vae):
     return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
 
 
+@pytest.mark.slow
+def test_sequence_and_cfg_parallel_sampling_write_what_one_process_does(tmp_path, qwen25vl):
+    """QwenImagePipeline calls the model for each guidance branch: --cfg_parallel puts the two calls of a step on two
+    ranks; SP splits image and text tokens (its prompts padded to different lengths, so masked)."""
+    run_trainer(qwen_cfg(tmp_path, qwen25vl, max_steps=1))
+    common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two", "--npz",
+              "--num_sampling_steps", "3", "--cfg_scale", "2"]
+    cli("sample.py", *common, "--out", tmp_path / "one")
+    cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
+    cli("sample.py", *common, "--cfg_parallel", "--out", tmp_path / "cfg2", nproc=2)
+    one, sp2, cfg2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2", "cfg2"))
+    np.testing.assert_array_equal(one, sp2)
+    np.testing.assert_array_equal(one, cfg2)
+
+
 def test_prompts_latents_and_loss_follow_the_pipeline_and_the_recipe(tmp_path, qwen25vl):
     from diffusers import QwenImagePipeline
     family, cfg, enc, model = _parts(qwen25vl, save_tiny_qwen_vae(tmp_path / "vae"))

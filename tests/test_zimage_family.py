@@ -48,16 +48,19 @@ def test_trains_and_samples_from_the_command_line(tmp_path, qwen):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_sampling_writes_what_one_process_does(tmp_path, qwen):
+def test_sequence_and_cfg_parallel_sampling_write_what_one_process_does(tmp_path, qwen):
     """Through opendit's plan (diffusers' class has none), inside ZImagePipeline's own loop: its guidance batch holds
-    captions of different lengths, so the joint sequence carries a mask."""
+    captions of different lengths, so the joint sequence carries a mask. --cfg_parallel splits that batch (lists of
+    per-sample latents and captions) over two ranks."""
     run_trainer(zimage_cfg(tmp_path, qwen, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two", "--npz",
               "--num_sampling_steps", "3", "--cfg_scale", "2"]
     cli("sample.py", *common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
-    one, sp2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2"))
+    cli("sample.py", *common, "--cfg_parallel", "--out", tmp_path / "cfg2", nproc=2)
+    one, sp2, cfg2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2", "cfg2"))
     np.testing.assert_array_equal(one, sp2)
+    np.testing.assert_array_equal(one, cfg2)
 
 
 def _parts(qwen, vae):

@@ -8,6 +8,14 @@ the output [B, ...] is all-gathered in the group back to [2B, ...]. Everything a
 mix, the sampler's math, the noise) runs on the whole batch on every rank, so every rank ends with the guided
 result a single process computes, for half the model work and one all-gather of the output per step.
 
+A model that a pipeline calls twice per step instead, conditional then unconditional with the same latents
+(diffusers' FLUX.1, FLUX.2 [klein], Qwen-Image, Wan and HunyuanVideo-1.5 pipelines), says so with
+`model.cfg_calls = "pairs"`: the first step runs whole on every rank and shows which inputs the unconditional call
+changes (the conditions, the same tensors every step); from then on, at each conditional call, rank 0 computes it and
+rank 1 the unconditional one (those inputs swapped in), the pair is all-gathered, and the unconditional call that
+follows returns its half without computing. Its inputs are checked against the ones swapped in; a pipeline that
+changed them would be an error, not a wrong image.
+
 `sampling_mesh` lays the world out as ("dp", "cfg", "sp"): sequence parallelism (a collective in every layer)
 innermost on neighbouring ranks, the CFG pair (one collective per step) next, data parallelism (none) outside.
 The ranks of one cfg x sp group share each batch of samples. See docs/sampling.md.
@@ -42,7 +50,12 @@ def sampling_mesh(device: torch.device, world_size: int, sp_size: int, cfg_size:
 
 def enable_cfg_parallel(model: torch.nn.Module, group, counter=None) -> list:
     """Hook model's calls so that each rank of the 2-rank `group` computes its half of every [cond; uncond]
-    batch; returns the hooks' handles. counter (a CommCounter) tallies the gather under "cfg"."""
+    batch (a list of 2B per-sample tensors is a batch too), or of every (cond, uncond) pair of calls where
+    `model.cfg_calls` is "pairs"; returns the hooks' handles. counter (a CommCounter) tallies the gather under
+    "cfg"."""
+    model.cfg_parallel_group = group  # step caches (opendit.models.step_cache) agree their skips over the pair
+    if getattr(model, "cfg_calls", "batched") == "pairs":
+        return [_PairedCalls(model, group, counter)]
     rank = dist.get_rank(group)
 
     def take_half(module, args, kwargs):
@@ -52,12 +65,61 @@ def enable_cfg_parallel(model: torch.nn.Module, group, counter=None) -> list:
                              f"[cond; uncond] pair of halves")
 
         def half(v):  # [2B, ...] -> this rank's [B, ...]; anything not batched passes whole
+            if isinstance(v, list) and len(v) == batch:
+                return v[rank * batch // 2:(rank + 1) * batch // 2]
             return v.chunk(2)[rank] if torch.is_tensor(v) and v.dim() and v.shape[0] == batch else v
         return tuple(map(half, args)), {k: half(v) for k, v in kwargs.items()}
 
-    def gather_halves(module, args, out):  # [B, ...] per rank -> [2B, ...], cond half first, on both ranks
+    def gather(out):  # [B, ...] per rank -> [2B, ...], cond half first, on both ranks
+        if isinstance(out, tuple):
+            return tuple(gather(o) for o in out)
+        if isinstance(out, list):
+            return list(gather(torch.stack(out)).unbind(0))
         return gather_seq(out, group, dim=0, counter=counter, site="cfg")
-
-    model.cfg_parallel_group = group  # step caches (opendit.models.step_cache) agree their skips over the pair
     return [model.register_forward_pre_hook(take_half, with_kwargs=True),
-            model.register_forward_hook(gather_halves)]
+            model.register_forward_hook(lambda module, args, out: gather(out))]
+
+
+class _PairedCalls:
+    """model.forward replaced for cfg_calls "pairs" (see the module's text); remove() puts it back."""
+
+    def __init__(self, model, group, counter):
+        self.model, self.group, self.counter, self.inner = model, group, counter, model.forward
+        self.rank, self.calls, self.first, self.swap, self.pending = dist.get_rank(group), 0, None, None, None
+        model.forward = self.forward
+
+    def remove(self):
+        self.model.forward = self.inner
+
+    def forward(self, *args, **kwargs):
+        call, self.calls = self.calls, self.calls + 1
+        if call == 0:  # the first step whole on every rank: what the unconditional call changes
+            self.first = kwargs
+            return self.inner(*args, **kwargs)
+        if call == 1:
+            self.swap = {k: v for k, v in kwargs.items() if not _same(v, self.first.get(k))}
+            self.first = None
+            return self.inner(*args, **kwargs)
+        if call % 2 == 1:
+            changed = [k for k, v in kwargs.items() if k in self.swap and not _same(v, self.swap[k])]
+            if changed:
+                raise RuntimeError(f"--cfg_parallel: the pipeline's unconditional call changed {changed} since its "
+                                   f"first step, which this rank's half was computed without; leave out "
+                                   f"--cfg_parallel")
+            return self.pending
+        out = self.inner(*args, **(kwargs if self.rank == 0 else {**kwargs, **self.swap}))
+        if not (torch.is_tensor(out) or isinstance(out, (tuple, list))):
+            raise TypeError(f"--cfg_parallel: the model returned a {type(out).__name__}; it gathers tensors or tuples "
+                            f"of them (call it with return_dict=False)")
+        tensors = [out] if torch.is_tensor(out) else list(out)
+        pairs = [gather_seq(t.contiguous()[None], self.group, dim=0, counter=self.counter, site="cfg") for t in tensors]
+        cond, uncond = ([p[i] for p in pairs] for i in (0, 1))
+        self.pending = uncond[0] if torch.is_tensor(out) else type(out)(uncond)
+        return cond[0] if torch.is_tensor(out) else type(out)(cond)
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return a is b or (torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and
+                          a.dtype == b.dtype and torch.equal(a, b))
+    return a == b

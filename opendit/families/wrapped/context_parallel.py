@@ -106,6 +106,22 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses", cp_plan: Callab
     return DiffusersUlysses(group, size)
 
 
+def masked_padding(size: int, text: str, mask: str, beside: Callable[[dict], int] = lambda kwargs: 0) -> Callable:
+    """A forward pre-hook (with_kwargs) that pads the forward's `text` tokens [B, L, D] with zeros, masked False in
+    its `mask` input [B, L] (all True where absent), so that L + beside(kwargs) (the other tokens of the sequence the
+    plan splits) is a multiple of `size`: attention never reads a masked key, so the real tokens' outputs stay."""
+    def pad(module, args, kwargs):
+        tokens = kwargs.get(text)
+        extra = 0 if tokens is None else -(tokens.shape[1] + beside(kwargs)) % size
+        if not extra:
+            return None
+        found = kwargs.get(mask)
+        found = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device) if found is None else found
+        return args, {**kwargs, text: torch.nn.functional.pad(tokens, (0, 0, 0, extra)),
+                      mask: torch.cat([found, found.new_zeros(found.shape[0], extra)], dim=1)}
+    return pad
+
+
 def _token_count(model, x) -> int | None:
     """Tokens of a forward input: [B, L, D] -> L; a video [B, C, T, H, W] -> its patches (the class's patch_size)."""
     if x is None or x.ndim not in (3, 5):

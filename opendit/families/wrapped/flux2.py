@@ -86,6 +86,9 @@ class Flux2Glue(ModelGlue):
     recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
               f"[dev]'s guidance embedding given {TRAIN_GUIDANCE}")
 
+    def cfg_calls(self, model: str) -> str | None:
+        return None if self.pipeline_name(model) == "Flux2Pipeline" else "pairs"  # [dev]: embedded guidance
+
     def kohya_lora_map(self, shapes: dict[str, tuple]):
         """BFL's module names, as kohya/ComfyUI/musubi-tuner files of FLUX.2 use them (and diffusers'
         _convert_kohya_flux2_lora_to_diffusers reads them): a double block's fused img_attn.qkv / txt_attn.qkv hold

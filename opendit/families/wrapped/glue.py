@@ -184,6 +184,12 @@ class ModelGlue:
     def __name__(self) -> str:  # as a class constructor's: the help texts name the model class
         return self.transformer_class
 
+    def cfg_calls(self, model: str) -> str | None:
+        """How the pipeline of the registered `model` evaluates classifier-free guidance (opendit.parallel.cfg):
+        "pairs" (a conditional then an unconditional call per step), "batched" (one call on [cond; uncond]), or None
+        (no true guidance: guidance-distilled)."""
+        return "pairs"
+
     def kohya_lora_map(self, shapes: dict[str, tuple]):
         """The release's module names that kohya/ComfyUI LoRA files of this model use, where they are not diffusers'
         (ModelFamily.kohya_lora_map); None: diffusers' names (what diffusers' own converter of such files reads for

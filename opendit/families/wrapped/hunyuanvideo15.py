@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from opendit.distributed import unwrap_model
-from opendit.families.wrapped.context_parallel import diffusers_plan
+from opendit.families.wrapped.context_parallel import diffusers_plan, masked_padding
 from opendit.families.wrapped.glue import (ModelGlue, PixelSpace, TextEncoder, WrappedSpec, last_block_parameters,
                                            load_text_encoder, pipeline_part)
 from opendit.perf import matmul_macs
@@ -73,14 +73,10 @@ def _prepare_split(model, size: int) -> None:
         processor._parallel_config = model._parallel_config
         block.attn.set_processor(processor)
 
-    def pad_text(module, args, kwargs):
-        text, mask = kwargs["encoder_hidden_states"], kwargs["encoder_attention_mask"]
-        extra = -(text.shape[1] + kwargs["encoder_hidden_states_2"].shape[1] + kwargs["image_embeds"].shape[1]) % size
-        if extra:
-            kwargs = {**kwargs, "encoder_hidden_states": F.pad(text, (0, 0, 0, extra)),
-                      "encoder_attention_mask": torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)}
-        return args, kwargs
-    model.register_forward_pre_hook(pad_text, with_kwargs=True)
+    def glyph_and_image_tokens(kwargs) -> int:
+        return kwargs["encoder_hidden_states_2"].shape[1] + kwargs["image_embeds"].shape[1]
+    model.register_forward_pre_hook(masked_padding(size, "encoder_hidden_states", "encoder_attention_mask",
+                                                   glyph_and_image_tokens), with_kwargs=True)
 
 
 def _key_masked_attention():

@@ -227,6 +227,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         # (text, image or video) tokens per sample, for the FLOP count
         tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.patch_size(cfg) ** 2
         model.num_tokens = (self.constant(cfg.model, "max_sequence_length"), tokens)
+        model.cfg_calls = self.glue.cfg_calls(cfg.model)  # how --cfg_parallel splits its pipeline's guidance
         return model
 
     def train_flops_per_sample(self, model) -> float:
@@ -311,8 +312,13 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         if sample_cfg.cache == "fbcache" and sample_cfg.sequence_parallel_size > 1:
             raise ValueError("--cache fbcache with --sequence_parallel_size: diffusers' First Block Cache decides on "
                              "each rank's own tokens, so the ranks could part ways; leave one of them out")
+        if sample_cfg.cfg_parallel and sample_cfg.cache == "fbcache":
+            raise ValueError("--cache fbcache with --cfg_parallel: diffusers' First Block Cache keeps one state per "
+                             "guidance branch, which the two ranks would split; leave one of them out")
+        if sample_cfg.cfg_parallel and self.glue.cfg_calls(cfg.model) is None:
+            raise ValueError(f"--cfg_parallel: {cfg.model} is guidance-distilled (--cfg_scale is its embedded "
+                             f"guidance, one model call per step), so there is no guidance pair to split; leave it out")
         hooked = {f"--cache {sample_cfg.cache}": sample_cfg.cache not in ("none", "fbcache"),
-                  "--cfg_parallel": sample_cfg.cfg_parallel,
                   "--vae_tiling": sample_cfg.vae_tiling or sample_cfg.vae_tile_size is not None,
                   "--parallel_decode": sample_cfg.parallel_decode}
         if any(hooked.values()):

@@ -12,7 +12,7 @@ rescales the guided prediction to the conditional one's norm.
 """
 import torch
 
-from opendit.families.wrapped.context_parallel import diffusers_plan
+from opendit.families.wrapped.context_parallel import diffusers_plan, masked_padding
 from opendit.families.wrapped.glue import (ModelGlue, TextEncoder, WrappedSpec, last_block_parameters,
                                            load_text_encoder, pack, patchify)
 from opendit.perf import matmul_macs
@@ -40,6 +40,13 @@ def _pipeline():
     return QwenImagePipeline
 
 
+def _pad_text(model, size: int) -> None:
+    """Prompts of any length split evenly: the text tokens padded with masked ones (the pipeline trims its prompts
+    to the batch's longest, e.g. 5 tokens)."""
+    model.register_forward_pre_hook(masked_padding(size, "encoder_hidden_states", "encoder_hidden_states_mask"),
+                                    with_kwargs=True)
+
+
 class QwenImageGlue(ModelGlue):
     transformer_class = "QwenImageTransformer2DModel"
     pipeline_class = "QwenImagePipeline"
@@ -48,7 +55,8 @@ class QwenImageGlue(ModelGlue):
     vae_channels, vae_params = 16, 126.9e6  # about: its causal 3-D autoencoder
     models = QWEN_IMAGE_MODELS
     run_keys = ("in_channels", "out_channels")  # both from the latent channels
-    parallel_plan = diffusers_plan(split=("image tokens", "text tokens and their mask", "RoPE tables"))
+    parallel_plan = diffusers_plan(split=("image tokens", "text tokens and their mask (padded with masked ones to a "
+                                          "multiple of the group)", "RoPE tables"), prepare=_pad_text)
     # attention of both streams and the image MLP; not the text stream's outputs (to_add_out, txt_mlp), which the
     # last block computes for nothing (its text tokens are dropped): adapters there would never get a gradient
     lora_targets = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj)|img_mlp\.net\.(0\.proj|2))"

@@ -97,6 +97,9 @@ class ZImageGlue(ModelGlue):
                                           "multiple of the group) with its RoPE table and mask",),
                                    cp_plan=_context_parallel_plan, checked=(), prepare=_prepare_split)
 
+    def cfg_calls(self, model: str) -> str:
+        return "batched"  # ZImagePipeline calls the model once on the latents twice over, with both prompts
+
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         return load_text_encoder(path, device, dtype, self.models[model].constants["max_sequence_length"])
 
