@@ -1,7 +1,7 @@
 """Latent and text-embedding caches of the diffusers-transformer kind: preprocess.py stores each image's VAE
 posterior and its caption's conditions as the pipeline's own encoding gives them (masks too); training on the cache
 loads no text encoder and gives the losses of encoding on the fly; its previews and sample.py work from the cache's
-run; a cache is one model's; video models refuse to cache."""
+run; a cache is one model's. The same for clips of a video model (HunyuanVideo-1.5)."""
 import json
 
 import numpy as np
@@ -55,12 +55,42 @@ def test_a_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_path, m
                                                               data_path=str(cache)))
 
 
-def test_a_cache_needs_its_model_and_text_encoder_and_video_models_refuse():
+def test_a_cache_needs_its_model_and_text_encoder():
     from opendit.families import get_family
     cfg = cfglib.PreprocessConfig(family="flux2", dataset="captioned_digits", vae="v", out="o")
     with pytest.raises(ValueError, match="a flux2 cache is for one model .* flux2-klein-4b"):
         get_family("flux2").resolve_cache_config(cfg)
     with pytest.raises(ValueError, match="--text_encoder is required"):
         get_family("flux2").resolve_cache_config(cfglib.PreprocessConfig(**{**vars(cfg), "model": "flux2-klein-debug"}))
-    with pytest.raises(ValueError, match="latent caches of video models"):
-        get_family("hunyuanvideo15").resolve_cache_config(cfg)
+
+
+@pytest.mark.slow
+def test_a_clip_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_path):
+    """HunyuanVideo-1.5 with a tiny video VAE (16x down, 4x in time): 5-frame clips cached as [4, 2, 2, 2] latents
+    beside both encoders' conditions and masks; training on them loads no text encoder and gives the losses of
+    encoding the clips on the fly."""
+    from opendit.families.wrapped.hunyuanvideo15 import save_tiny_text_encoders
+    from tests.test_hunyuanvideo15_family import save_tiny_video_vae
+
+    text, vae = save_tiny_text_encoders(tmp_path / "text"), save_tiny_video_vae(tmp_path / "vae")
+    cache = tmp_path / "cache"
+    cli("preprocess.py", "--family", "hunyuanvideo15", "--model", "hunyuanvideo1.5-debug", "--dataset",
+        "moving_digits", "--image_size", "32", "--num_frames", "5", "--vae", vae, "--text_encoder", text, "--out",
+        cache, "--batch_size", "64", "--num_workers", "0")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["latent_shape"] == [4, 2, 2, 2] and manifest["num_frames"] == 5
+    assert manifest["embeddings"] == ["cond_embeds", "cond_mask", "cond_embeds_2", "cond_mask_2"]
+
+    common = dict(model="hunyuanvideo1.5-debug", image_size=32, num_frames=5, batch_size=2, max_steps=3, log_every=1,
+                  num_workers=0, lr=1e-3, caption_dropout_prob=0.5)
+    trainer, _ = run_trainer(cfglib.TrainConfig(**common, dataset="latents", data_path=str(cache),
+                                                outputs=str(tmp_path / "c"), sample_every=3, preview_steps=2))
+    assert trainer.encoders.text is None
+    assert list((tmp_path / "c").glob("000-*/previews/*"))  # the preview, its prompts from the cache
+    run_trainer(cfglib.TrainConfig(**common, dataset="moving_digits", vae=vae, text_encoder=text,
+                                   outputs=str(tmp_path / "f")))
+    cached, fly = (losses_of(next((tmp_path / d).glob("000-*"))) for d in ("c", "f"))
+    np.testing.assert_allclose(cached, fly, rtol=1e-5)
+    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "c", "--prompts", "the digit 3 moving up",
+        "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "samples")
+    assert np.load(tmp_path / "samples" / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)

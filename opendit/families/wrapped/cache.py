@@ -9,7 +9,7 @@ conditions exactly as the glue's encode_prompts gives them (the pipeline's own p
 arrays named cond_<key>, and once the empty caption's (caption dropout). Training on it loads the VAE (the glue's
 normalisation reads it; it is small) but never the text encoder, and draws the posterior sample as encoding on the
 fly does, so both train alike. The cache is for one --model (its text encoder, hidden layers and length): another
-model is refused. Video models through diffusers' classes have no cache yet.
+model is refused. Video models (opendit.families.wrapped.video) cache fixed clips of --num_frames the same way.
 """
 import torch
 

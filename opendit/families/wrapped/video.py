@@ -1,12 +1,14 @@
 """The diffusers-transformer kind for video models (HunyuanVideo-1.5): the clips of opendit's video families (the
 moving digits demo, a CSV of captioned videos; --num_frames, --frame_interval, --fps, MP4 / GIF / strip output),
 latents [C, T', h, w] through the model's video autoencoder (or pixel space), sampled through the model's own
-video pipeline. Everything else is the image kind's (opendit.families.wrapped.kind)."""
+video pipeline; latent caches of fixed clips (preprocess.py --num_frames, --frame_interval) with the prompts'
+conditions. Everything else is the image kind's (opendit.families.wrapped.kind)."""
 from dataclasses import dataclass
 
-from opendit.data import MOVING_DIGITS, VIDEO_CSV, dataset_map
-from opendit.families.clips import ClipFamily, ClipSampleOptions, ClipTrainOptions
-from opendit.families.wrapped.kind import DiffusersFamily, WrappedSampleOptions, WrappedTrainOptions
+from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
+from opendit.families.wrapped.kind import (DiffusersFamily, WrappedCacheOptions, WrappedSampleOptions,
+                                           WrappedTrainOptions)
 
 
 @dataclass
@@ -19,23 +21,36 @@ class WrappedVideoSampleOptions(ClipSampleOptions, WrappedSampleOptions):
     pass
 
 
+@dataclass
+class WrappedVideoCacheOptions(ClipCacheOptions, WrappedCacheOptions):
+    pass
+
+
 class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
     """A family of one video ModelGlue's models."""
-    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV)
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
     train_options = WrappedVideoTrainOptions
     sample_options = WrappedVideoSampleOptions
-    cache_options = None  # no latent cache yet (resolve_cache_config)
+    cache_options = WrappedVideoCacheOptions
+    cache_keys = (*ClipFamily.cache_keys, *DiffusersFamily.cache_keys)
 
     def __init__(self, name: str, glue):
         super().__init__(name, glue)
         self.defaults_help = {**self.defaults_help, "fps": f"{name}: {glue.fps}"}
 
-    def resolve_cache_config(self, cfg):
-        raise ValueError(f"--family {self.name}: latent caches of video models through diffusers' classes are not "
-                         f"built yet; train {self.name} on the clips themselves")
-
     def dataset_options(self, cfg, encoders, spec) -> dict:
+        if spec.cache:
+            return {"seed": cfg.global_seed}
         return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
+
+    def cache_source(self, cfg, encoders):
+        """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
+        self.latent_shape(cfg, encoders)  # the frame count and size fit the VAE and the patches, else a clear error
+        spec = self.dataset_spec(cfg)
+        dataset = spec(cfg.data_path, cfg.image_size, **self.source_options(cfg, spec, channels=3, seed=0))
+        if cfg.buckets:
+            self.use_buckets(dataset, cfg, encoders)
+        return dataset
 
     def sample_defaults(self, sample_cfg, cfg) -> dict:
         return {**super().sample_defaults(sample_cfg, cfg), "fps": self.glue.fps}
