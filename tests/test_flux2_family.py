@@ -151,6 +151,23 @@ def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_pat
     np.testing.assert_allclose(losses["sp2-lora"], one_lora, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_blocks_validation_and_the_ema_run_as_the_plain_path(tmp_path, qwen):
+    """--compile (torch.compile per diffusers block, inductor on the CPU) trains the plain run's losses; --val_every
+    logs the validation loss by noise level; the EMA is exported beside the checkpoint."""
+    import json
+
+    flags = dict(max_steps=4, val_every=2, val_samples=8)
+    _, plain = run_trainer(flux2_cfg(tmp_path / "plain", qwen, **flags))
+    _, compiled = run_trainer(flux2_cfg(tmp_path / "compiled", qwen, compile=True, **flags))
+    np.testing.assert_allclose(compiled, plain, rtol=1e-5)
+    run = next((tmp_path / "compiled").glob("000-*"))
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    val = [r for r in records if r.get("kind") == "val"]
+    assert [r["step"] for r in val] == [2, 4] and all(np.isfinite(r["val_loss"]) for r in val)
+    assert (run / "checkpoints" / "step-000004" / "ema.safetensors").is_file()
+
+
 def test_the_official_flux2_dev_layout_converts_onto_diffusers_model():
     """BFL's flux2-dev.safetensors (its 299 keys and shapes, on meta) through the converter the kind uses: every
     tensor of the registered flux2-dev (Flux2Transformer2DModel at the release's configuration), none left over."""
