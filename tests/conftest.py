@@ -1,4 +1,7 @@
+import json
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +25,40 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+# `-m quick`: the fastest tests, by the seconds each took in a full run (tests/durations.json), up to this sum (about
+# two minutes under README's two workers); a test the file does not know yet is not quick. A full run with
+# OPENDIT_RECORD_DURATIONS=1 writes the file anew.
+DURATIONS = Path(__file__).with_name("durations.json")
+QUICK_BUDGET_S = 240.0
+RECORD = os.environ.get("OPENDIT_RECORD_DURATIONS") == "1"
+_recorded: dict[str, float] = {}
+
+
 def pytest_collection_modifyitems(config, items):
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    spent = 0.0
+    for item in sorted(items, key=lambda i: known.get(i.nodeid, math.inf)):
+        seconds = known.get(item.nodeid, math.inf)
+        if spent + seconds > QUICK_BUDGET_S:
+            break
+        spent += seconds
+        item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    if RECORD:  # setup, call and teardown together (a module fixture's cost lands on its first test)
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if RECORD and not hasattr(session.config, "workerinput"):  # the xdist controller (or a plain run) writes
+        DURATIONS.write_text(json.dumps({k: round(v, 3) for k, v in sorted(_recorded.items())}, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -298,10 +298,10 @@ class ModelFamily:
                                         f"download its transformer/ folder too")
         return load_weights(path)
 
-    def kohya_lora_map(self, shapes: dict[str, tuple]):
-        """The modules LoRA files in the kohya/ComfyUI layout name, where they are not the model's own: an
-        opendit.lora.formats.ModuleMap {name: [(the model's Linear, its rows in that layer)]} (e.g. stacked_map);
-        shapes: the model's state-dict shapes. None: files name the model's own Linears."""
+    def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]] | None:
+        """The modules LoRA files in the kohya/ComfyUI layout name, where they are not the model's own: {name: the
+        model's Linears whose output rows it stacks, in order} for the model of state-dict `keys`. None: files name
+        the model's own Linears."""
         return None
 
     # ---- memory planning (opendit.plan) -----------------------------------------------------------------------

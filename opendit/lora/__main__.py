@@ -21,7 +21,7 @@ from opendit.families import family_of
 from opendit.inference import lora_run_weights, read_checkpoint
 from opendit.lora.formats import LAYOUTS, load_adapters, module_map, save_adapters
 from opendit.lora.layer import Adapter
-from opendit.lora.run import parse_lora_spec
+from opendit.lora.run import kohya_map, parse_lora_spec
 
 logger = logging.getLogger("opendit")
 
@@ -48,7 +48,7 @@ def _mapping(family, state: dict):
     linears = [k[:-len(".weight")] for k, v in state.items() if k.endswith(".weight") and v.ndim == 2]
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     converter = family.weights and family.weights.lora_converter()
-    return module_map(converter, shapes, linears), linears, family.kohya_lora_map(shapes)
+    return module_map(converter, shapes, linears), linears, kohya_map(family, shapes)
 
 
 def merge(args) -> None:

@@ -8,7 +8,8 @@
 
 A model whose kohya/ComfyUI files name other modules than its own (FLUX.2 through diffusers' class: BFL's fused
 `double_blocks.N.img_attn.qkv` for diffusers' to_q, to_k, to_v) gives a `kohya_map` of the same form as the diffusers
-map below, and its adapters are fused to those names on export and split back on import.
+map below (stacked_map of its family's kohya_lora_names); its adapters are fused to those names on export and split
+back on import.
 
 A family with a diffusers converter (FLUX, Wan) gives the diffusers module names: the map from each official
 Linear to the diffusers Linears holding its rows is read off the converter itself (`module_map`), so a fused

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters
+from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters, stacked_map
 from opendit.distributed import current_rank
 from opendit.lora.layer import (add_lora, attach_adapters, cast_frozen_linears, linear_names, load_trained_adapters,
                                 trained_adapters)
@@ -42,7 +42,13 @@ def family_module_map(family, model: nn.Module) -> ModuleMap:
 
 def family_kohya_map(family, model: nn.Module) -> ModuleMap | None:
     """The module names of the family's kohya/ComfyUI files for `model`, where they are not its own (else None)."""
-    return family.kohya_lora_map(_shapes(model))
+    return kohya_map(family, _shapes(model))
+
+
+def kohya_map(family, shapes: dict[str, tuple]) -> ModuleMap | None:
+    """family_kohya_map for a model of state-dict `shapes`."""
+    stacks = family.kohya_lora_names(shapes.keys())
+    return None if stacks is None else stacked_map(stacks, lambda name: shapes[f"{name}.weight"][0])
 
 
 def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> list[str]:

@@ -89,14 +89,12 @@ class Flux2Glue(ModelGlue):
     def cfg_calls(self, model: str) -> str | None:
         return None if self.pipeline_name(model) == "Flux2Pipeline" else "pairs"  # [dev]: embedded guidance
 
-    def kohya_lora_map(self, shapes: dict[str, tuple]):
+    def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]]:
         """BFL's module names, as kohya/ComfyUI/musubi-tuner files of FLUX.2 use them (and diffusers'
         _convert_kohya_flux2_lora_to_diffusers reads them): a double block's fused img_attn.qkv / txt_attn.qkv hold
         diffusers' to_q, to_k, to_v / add_*_proj rows; the rest are one Linear each."""
-        from opendit.lora.formats import stacked_map
-
         def count(blocks: str) -> int:
-            return len({k.split(".")[1] for k in shapes if k.startswith(blocks + ".")})
+            return len({k.split(".")[1] for k in keys if k.startswith(blocks + ".")})
         stacks = {}
         for i in range(count("transformer_blocks")):
             d, b = f"double_blocks.{i}", f"transformer_blocks.{i}"
@@ -113,7 +111,7 @@ class Flux2Glue(ModelGlue):
         stacks |= {"img_in": ("x_embedder",), "txt_in": ("context_embedder",), "final_layer.linear": ("proj_out",),
                    "time_in.in_layer": ("time_guidance_embed.timestep_embedder.linear_1",),
                    "time_in.out_layer": ("time_guidance_embed.timestep_embedder.linear_2",)}
-        return stacked_map(stacks, lambda name: shapes[f"{name}.weight"][0])
+        return stacks
 
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         const, dev = self.models[model].constants, self.pipeline_name(model) == "Flux2Pipeline"

@@ -190,9 +190,9 @@ class ModelGlue:
         (no true guidance: guidance-distilled)."""
         return "pairs"
 
-    def kohya_lora_map(self, shapes: dict[str, tuple]):
+    def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]] | None:
         """The release's module names that kohya/ComfyUI LoRA files of this model use, where they are not diffusers'
-        (ModelFamily.kohya_lora_map); None: diffusers' names (what diffusers' own converter of such files reads for
+        (ModelFamily.kohya_lora_names); None: diffusers' names (what diffusers' own converter of such files reads for
         Z-Image, Qwen-Image)."""
         return None
 

@@ -254,8 +254,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
             return self.glue.convert_official(read_safetensors(path))
         return load_weights(path)
 
-    def kohya_lora_map(self, shapes: dict[str, tuple]):
-        return self.glue.kohya_lora_map(shapes)
+    def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]] | None:
+        return self.glue.kohya_lora_names(keys)
 
     def _diffusers_folder(self, path, other_class_is_none: bool = False) -> str | None:
         """The folder holding the glue's transformer; one holding another class is an error (or None when asked:
