@@ -402,6 +402,49 @@ def test_dit_layouts_round_trip_under_official_names(tmp_path):
         torch.testing.assert_close(fresh(*inp), base, atol=ATOL, rtol=ATOL)
 
 
+# ------------------------------------------------------------------------------------- in full or not at all
+def test_a_file_applies_in_full_or_is_refused_naming_what_it_cannot_apply(tmp_path, caplog):
+    """Every tensor of a LoRA file is applied, or the file is refused: a LoKr factor or DoRA scale beside plain
+    adapters, an up without its down, adapters under another prefix. Text encoders' adapters are left out and
+    counted in the log. diffusers' older key names (X.lora.down.weight / X.lora.up.weight, mixed with lora_A /
+    lora_B as some exports write them) load in full."""
+    import logging
+
+    model = tiny_flux()
+    mapping, linears = family_module_map(FLUX, model), linear_names(model)
+    adapters = _random_adapters(model, FLUX.lora_targets)
+    kohya, diff = str(tmp_path / "k.safetensors"), str(tmp_path / "d.safetensors")
+    save_adapters(kohya, adapters, "kohya")
+    save_adapters(diff, adapters, "diffusers", mapping)
+    (k_state, _), (d_state, d_meta) = read_file(kohya), read_file(diff)
+    extras = {"LoKr factor": {"lora_unet_double_blocks_0_img_mlp_0.lokr_w1": torch.zeros(2, 2)},
+              "DoRA scale": {"lora_unet_double_blocks_0_img_mlp_0.dora_scale": torch.zeros(1, 32)},
+              "orphan up": {"lora_unet_final_layer_linear.lora_up.weight": torch.zeros(8, 4)},
+              "other prefix": {"lora_transformer_x.lora_down.weight": torch.zeros(4, 8),
+                               "lora_transformer_x.lora_up.weight": torch.zeros(8, 4)}}
+    for extra in extras.values():
+        path = str(tmp_path / "bad.safetensors")
+        save_file({**k_state, **extra}, path)
+        with pytest.raises(ValueError, match=rf"{len(extra)} of its {len(k_state) + len(extra)} tensors are nothing "
+                                             rf"opendit applies \(e.g. {sorted(extra)[0]}.*in full or not at all"):
+            load_adapters(path, mapping, linears)
+    with_te = str(tmp_path / "te.safetensors")
+    save_file({**k_state, "lora_te1_q.lora_down.weight": torch.zeros(4, 8), "lora_te1_q.lora_up.weight":
+               torch.zeros(8, 4)}, with_te)
+    with caplog.at_level(logging.INFO, logger="opendit"):
+        assert _same_adapters(load_adapters(with_te, mapping, linears), load_adapters(kohya, mapping, linears))
+    assert "2 text-encoder tensors left out" in caplog.text
+
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in d_state})
+    renamed = set(modules[::2])  # every other layer under the older names
+    older = {k.replace(".lora_A.weight", ".lora.down.weight").replace(".lora_B.weight", ".lora.up.weight")
+             if k.rsplit(".lora_", 1)[0] in renamed else k: v for k, v in d_state.items()}
+    assert any(".lora.down.weight" in k for k in older) and any(".lora_A.weight" in k for k in older)
+    path = str(tmp_path / "older.safetensors")
+    save_file(older, path, metadata=d_meta)
+    assert _same_adapters(load_adapters(path, mapping, linears), load_adapters(diff, mapping, linears))
+
+
 # ----------------------------------------------------------------------------------------------------- errors
 def test_bad_files_and_specs_are_named(tmp_path):
     model = tiny_flux()
@@ -443,7 +486,7 @@ def test_bad_files_and_specs_are_named(tmp_path):
     save_file({"lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight": torch.zeros(4, 8),
                "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight": torch.zeros(8, 4),
                "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.alpha": torch.tensor(4.0)}, te)
-    with pytest.raises(ValueError, match=r"no lora_unet_\* adapters \(only lora_te1_"):
+    with pytest.raises(ValueError, match=r"holds only text-encoder adapters \(3 tensors, e.g. lora_te1_"):
         load_adapters(te, mapping, linears)
     # a diffusers-layout file for a text encoder
     te_diff = str(tmp_path / "te_diff.safetensors")

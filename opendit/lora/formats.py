@@ -11,6 +11,10 @@ A model whose kohya/ComfyUI files name other modules than its own (FLUX.2 throug
 map below (stacked_map of its family's kohya_lora_names); its adapters are fused to those names on export and split
 back on import.
 
+A file is applied in full or not at all (load_adapters): a tensor that is no adapter's down/A, up/B or alpha (LoKr,
+LoHa, DoRA scales, an up without its down) refuses the file, naming it; text encoders' adapters are left out and
+counted in the log. diffusers' older key names (X.lora.down.weight / X.lora.up.weight) read as lora_A / lora_B.
+
 A family with a diffusers converter (FLUX, Wan) gives the diffusers module names: the map from each official
 Linear to the diffusers Linears holding its rows is read off the converter itself (`module_map`), so a fused
 official layer (FLUX's qkv, or linear1 = q, k, v and the MLP input) exports as one adapter per diffusers layer
@@ -19,6 +23,7 @@ export; otherwise stacked A and block-diagonal B, which is exact too). A family 
 DiTs) writes the diffusers/PEFT layout under its official module names.
 """
 import json
+import logging
 from collections.abc import Callable
 
 import torch
@@ -26,6 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from opendit.lora.layer import Adapter
+
+logger = logging.getLogger("opendit")
 
 DIFFUSERS_PREFIX = "transformer."
 KOHYA_PREFIX = "lora_unet_"
@@ -221,25 +228,50 @@ def to_kohya(adapters: dict[str, Adapter]) -> dict:
 def from_kohya(state: dict, linears: list[str], source: str) -> dict[str, Adapter]:
     """A kohya-layout state dict -> adapters; module names are matched against the model's Linear names."""
     names = {kohya_name(n): n for n in linears}
-    out, skipped = {}, []
+    out = {}
     for key in state:
         if not key.endswith(".lora_down.weight"):
             continue
         base = key[:-len(".lora_down.weight")]
-        if not base.startswith(KOHYA_PREFIX):
-            skipped.append(base)  # lora_te1_...: a text encoder's adapter; opendit keeps its encoders frozen
-            continue
         if base not in names:
             raise ValueError(f"{source} adapts {base}, which is no Linear layer of this model (its layers are named "
                              f"like {kohya_name(linears[0])}); is it for another model?")
+        if f"{base}.lora_up.weight" not in state:
+            raise ValueError(f"{source}: {key} has no matching lora_up")
         A, B = state[key], state[f"{base}.lora_up.weight"]
         if A.ndim != 2:
             raise ValueError(f"{source}: {base} is a {A.ndim}-D (convolution) adapter; only Linear adapters load")
         alpha = state.get(f"{base}.alpha")
         out[names[base]] = Adapter(A, B, float(alpha) if alpha is not None else float(A.shape[0]))
-    if not out:
-        raise ValueError(f"{source} holds no lora_unet_* adapters{' (only ' + skipped[0] + '...)' if skipped else ''}")
     return out
+
+
+# ---- a file in full or not at all ------------------------------------------------------------------------------
+SUFFIXES = {"kohya": (".lora_down.weight", ".lora_up.weight", ".alpha"),
+            "diffusers": (".lora_A.weight", ".lora_B.weight", ".alpha")}
+TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder")  # kohya's lora_te1_..., diffusers' text_encoder(_2).
+OLDER_DIFFUSERS = {".lora.down.weight": ".lora_A.weight", ".lora.up.weight": ".lora_B.weight"}  # pre-PEFT names
+
+
+def current_names(state: dict) -> dict:
+    """diffusers' older LoRA key names (X.lora.down.weight / X.lora.up.weight, X.alpha) as the PEFT ones."""
+    def renamed(key: str) -> str:
+        for old, new in OLDER_DIFFUSERS.items():
+            if key.endswith(old):
+                return key[:-len(old)] + new
+        return key
+    return {renamed(k): v for k, v in state.items()}
+
+
+def unread_keys(state: dict, layout: str) -> list[str]:
+    """The keys of a LoRA state dict that `layout`'s reader does not apply: anything but an adapter's down (A), up
+    (B) and alpha tensors, and those of an up or alpha without its down (text encoders' keys aside)."""
+    down, *_ = suffixes = SUFFIXES[layout]
+    adapted = {k[:-len(down)] for k in state if k.endswith(down)}
+    if layout == "kohya":
+        adapted = {m for m in adapted if m.startswith(KOHYA_PREFIX)}
+    return sorted(k for k in state if not k.startswith(TEXT_ENCODER_PREFIXES) and
+                  not any(k.endswith(s) and k[:-len(s)] in adapted for s in suffixes))
 
 
 # ---- files -----------------------------------------------------------------------------------------------------
@@ -270,7 +302,24 @@ def load_adapters(path: str, mapping: ModuleMap, linears: list[str],
     """A LoRA file in either layout -> adapters under the model's module names (fp32); kohya_map: the kohya
     layout's names, when they are not the model's."""
     state, metadata = read_file(path)
-    if detect_layout(state) == "diffusers":
+    state = current_names(state)
+    layout = detect_layout(state)
+    unread = unread_keys(state, layout)
+    if unread:
+        raise ValueError(f"{path}: {len(unread)} of its {len(state)} tensors are nothing opendit applies (e.g. "
+                         f"{', '.join(unread[:3])}); a LoRA file is applied in full or not at all. It holds "
+                         f"{layout}-layout adapters (down/A, up/B, alpha per layer) beside something else "
+                         f"(LyCORIS LoKr/LoHa, DoRA, a full-weight diff?): convert it to a plain LoRA, or merge it "
+                         f"into the base weights with the tool that made it")
+    encoders = [k for k in state if k.startswith(TEXT_ENCODER_PREFIXES)]
+    if encoders:
+        if len(encoders) == len(state):
+            raise ValueError(f"{path} holds only text-encoder adapters ({len(encoders)} tensors, e.g. "
+                             f"{encoders[0]}); opendit keeps its text encoders frozen, so nothing would apply")
+        logger.info("%s: %d text-encoder tensors left out (opendit keeps its text encoders frozen)", path,
+                    len(encoders))
+        state = {k: v for k, v in state.items() if not k.startswith(TEXT_ENCODER_PREFIXES)}
+    if layout == "diffusers":
         adapters = from_diffusers(state, metadata, mapping, path)
     elif kohya_map is None:
         adapters = from_kohya(state, linears, path)
