@@ -19,7 +19,8 @@ import torch
 from opendit.checkpoint import export_weights
 from opendit.families import family_of
 from opendit.inference import lora_run_weights, read_checkpoint
-from opendit.lora.formats import LAYOUTS, load_adapters, module_map, save_adapters
+from opendit.lora.formats import LAYOUTS, load_adapters, module_map, read_file, save_adapters
+from opendit.lora.lycoris import is_lycoris, load_lycoris
 from opendit.lora.layer import Adapter
 from opendit.lora.run import kohya_map, parse_lora_spec
 
@@ -57,9 +58,12 @@ def merge(args) -> None:
         raise ValueError("nothing to merge: pass --lora FILE (or a LoRA run's checkpoint as --ckpt)")
     mapping, linears, kohya = _mapping(family, state)
     for path, strength in adapters:
-        for name, a in load_adapters(path, mapping, linears, kohya).items():
+        deltas = load_lycoris(path, linears, kohya)  # a LoKr / LoHa file: its full updates
+        if deltas is None:
+            deltas = {name: a.delta() for name, a in load_adapters(path, mapping, linears, kohya).items()}
+        for name, delta in deltas.items():
             key = f"{name}.weight"
-            w, delta = state[key], a.delta()
+            w = state[key]
             if delta.shape != w.shape:
                 raise ValueError(f"{path}: {name} makes {list(delta.shape)}, the base has {list(w.shape)}")
             state[key] = (w.float() + delta * strength).to(w.dtype)
@@ -72,6 +76,9 @@ def convert(args) -> None:
     family, state, _, _ = _base(args.ckpt, args.model, [])
     mapping, linears, kohya = _mapping(family, state)
     path, _ = parse_lora_spec(args.lora[0])
+    if is_lycoris(read_file(path)[0]):
+        raise ValueError(f"{path} is a LoKr / LoHa file, which has no low-rank layout to convert to; merge it into "
+                         f"the base weights instead: python -m opendit.lora merge --ckpt BASE --lora {path} ...")
     adapters: dict[str, Adapter] = load_adapters(path, mapping, linears, kohya)
     save_adapters(args.out, adapters, args.layout, mapping, kohya_map=kohya)
     print(f"wrote {args.out} ({len(adapters)} adapted layers, {args.layout} layout)")

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters, stacked_map
+from opendit.lora.lycoris import load_lycoris, merge_deltas
 from opendit.distributed import current_rank
 from opendit.lora.layer import (add_lora, attach_adapters, cast_frozen_linears, linear_names, load_trained_adapters,
                                 trained_adapters)
@@ -59,8 +60,13 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
         raise ValueError(f"model family {family.name!r} names no default LoRA targets: pass --lora_targets REGEX "
                          f"(the Linear layers to adapt, e.g. 'blocks\\.\\d+\\.attn\\.qkv')")
     full_run = [p for p in model.parameters() if p.requires_grad]  # what a run without LoRA would train
+    deltas = cfg.init_lora and load_lycoris(cfg.init_lora, linear_names(model), family_kohya_map(family, model))
+    if deltas:  # a LoKr / LoHa file: into the frozen base, the run's adapters start from zero on top
+        merge_deltas(model, deltas, 1.0, f"--init_lora {cfg.init_lora}")
+        logger.info("--init_lora %s: a LoKr / LoHa file, merged into the frozen base weights of %d layers",
+                    cfg.init_lora, len(deltas))
     names = add_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
-    if cfg.init_lora:
+    if cfg.init_lora and not deltas:
         adapters = load_adapters(cfg.init_lora, family_module_map(family, model), linear_names(model),
                                  family_kohya_map(family, model))
         load_trained_adapters(model, adapters, f"--init_lora {cfg.init_lora}")
@@ -132,10 +138,15 @@ def parse_lora_spec(spec: str) -> tuple[str, float]:
 
 
 def apply_lora_files(model: nn.Module, family, specs: list[tuple[str, float]]) -> None:
-    """Attach each LoRA file to the (loaded) model at its strength, unmerged."""
+    """Attach each LoRA file to the (loaded) model at its strength, unmerged; a LoKr / LoHa file is merged."""
     if not specs:
         return
     mapping, linears, kohya = family_module_map(family, model), linear_names(model), family_kohya_map(family, model)
     for path, strength in specs:
+        deltas = load_lycoris(path, linears, kohya)
+        if deltas is not None:
+            n = merge_deltas(model, deltas, strength, source=path)
+            logger.info("LoKr / LoHa %s at strength %g merged into the weights of %d layers", path, strength, n)
+            continue
         n = attach_adapters(model, load_adapters(path, mapping, linears, kohya), strength, source=path)
         logger.info("LoRA %s at strength %g on %d layers", path, strength, n)
