@@ -210,17 +210,12 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(rank, world_size, port, result_dir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's: see spawn_gloo
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         out = {"ok": fn(rank, world_size, *args)}
     except BaseException:
@@ -235,8 +230,11 @@ def _spawned(rank, world_size, port, result_dir, fn, args):
 def spawn_gloo(fn, world_size: int, *args) -> list:
     """Run fn(rank, world_size, *args) in world_size spawned CPU processes joined in a gloo group (tests and
     benchmarks); returns fn's return values by rank. fn must be importable (module level)."""
+    # the parent serves the group's store on a port it keeps bound: a port found free and let go could be taken by
+    # another test's group in the meantime, whose ranks would then meet ours and wait for ever
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_spawned, args=(world_size, _free_port(), result_dir, fn, args), nprocs=world_size, join=True)
+        mp.spawn(_spawned, args=(world_size, store.port, result_dir, fn, args), nprocs=world_size, join=True)
         results = [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
     errors = [r["error"] for r in results if "error" in r]
     if errors:
