@@ -14,10 +14,12 @@ quietly; a rank whose collective broke because rank 0 stopped on a user error ex
 
 Imports nothing heavy: torch.distributed is only touched when something else already imported it.
 """
+import argparse
 import os
 import sys
 
 from opendit import config as cfglib
+from opendit.config_files import config_values
 
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                PermissionError)
@@ -105,9 +107,21 @@ def _wait_for_rank0(dist, line: str) -> None:
 
 
 def parse_config(cls, description: str | None, argv=None):
-    """The config of an entry script from its command line; argparse's errors as one line, exit status 2."""
+    """The config of an entry script from its command line and the `--config` file it names, if any (its values
+    become the defaults, so flags override them); argparse's and the file's errors as one line, exit status 2."""
     parser = cfglib.build_parser(cls, description)
+    parser.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of options (a run's config.yaml "
+                        "too); flags given beside it override it (docs/training.md)")
     parser.error = lambda text: fail(f"{text} (see {parser.prog} --help)", hint=False)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    first.error = parser.error
+    path = first.parse_known_args(argv)[0].config
+    if path is not None:
+        try:
+            parser.set_defaults(**config_values(cls, path))
+        except (ValueError, FileNotFoundError) as e:
+            fail(message(e), hint=False)
     return cfglib.from_args(cls, parser.parse_args(argv))
 
 

@@ -96,6 +96,9 @@ class TrainData:
     dataset: str = opt("digits", _dataset_help, _datasets)
     data_path: str | None = opt(None, "what the dataset reads: a class-folder root, a captioned folder or table, a "
                                       "video CSV, or a latent cache folder")
+    dataset_config: str | None = opt(None, "a .toml or .yaml file listing datasets to mix, each with its kind, path, "
+                                           "repeats, sizes and caption options (docs/training.md); replaces "
+                                           "--dataset and --data_path")
     digits: str | None = opt(None, f"the built-in digits datasets (digits, captioned_digits): train on these digits "
                                    f"only, {DIGITS_HELP}; default: all ten")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "

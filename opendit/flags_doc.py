@@ -8,6 +8,7 @@ help, by section, and every --dataset, for the families registered now. Written 
 import dataclasses
 
 from opendit.config import config_class, flag_help
+from opendit.config_files import section_tables
 from opendit.families import FAMILIES, all_datasets
 from opendit.options import choices_of, default_of
 
@@ -31,14 +32,18 @@ def _row(f) -> str:
 def flags_markdown() -> str:
     lines = ["# Flags", "", "Every flag of the entry scripts, by section, with its default. Written by "
              "`python -m opendit.flags_doc > docs/flags.md` from the options themselves (a test keeps it current). "
-             "A family's own options are listed under it; a flag a family does not use is ignored for its models.",
+             "A family's own options are listed under it; a flag a family does not use is ignored for its models. "
+             "`--config FILE` (.toml or .yaml) sets the same options by name, in the tables named below "
+             "([training.md](training.md#run-configs-as-files)); flags beside it override the file.",
              ""]
     for script, name in SCRIPTS:
         cls = config_class(name)
         lines += [f"## {script}"]
+        tables = section_tables(cls)
         for i, f in enumerate(dataclasses.fields(cls)):
             if i == 0 or f.name in cls.SECTIONS:
-                lines += ["", f"### {cls.SECTIONS.get(f.name, 'options')}", "", *TABLE]
+                lines += ["", f"### {cls.SECTIONS.get(f.name, 'options')}", "",
+                          f"In a `--config` file: `[{tables[f.name]}]` or the top level.", "", *TABLE]
             lines.append(_row(f))
         lines.append("")
     lines += ["## Datasets", "", "| `--dataset` | families | `--data_path` | what it is |", "|---|---|---|---|"]

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "opendit"
 # Low to high. A module may import its own layer's modules and lower layers', never a higher layer's.
 LAYERS = (
     {"models", "booster", "parallel", "optim", "kernels", "diffusion", "data", "encoders", "ema", "distributed",
-     "seeding", "options", "images", "perf"},
+     "seeding", "options", "config_files", "images", "perf"},
     {"checkpoint"},
     {"families"},
     {"config"},

@@ -160,6 +160,9 @@ def count_skipped(dataset, group=None) -> int:
     every epoch), and, when torch.distributed is initialized with more than one rank in `group`, on all those
     ranks: then it is a collective, to call on every rank at the same point (e.g. at each log line). 0 for
     datasets that read no files (digits, latent caches)."""
+    parts = getattr(dataset, "parts", None)  # a mixture of datasets (opendit/data/mixture.py)
+    if parts is not None:
+        return sum(count_skipped(part, group) for part in parts)
     skips = getattr(dataset, "skips", None)
     if not isinstance(skips, SkipLog):
         return 0

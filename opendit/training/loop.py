@@ -16,6 +16,7 @@ from opendit.checkpoint import (find_resume_checkpoint, latest_run_checkpoint, l
                                 new_run_dir, resolve_checkpoint)
 from opendit.data import count_skipped
 from opendit.data.buckets import bucket_summary
+from opendit.data.mixture import MixedDataset, first_dataset, load_mixture
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
@@ -77,6 +78,8 @@ class Trainer:
         cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
         check_lora_flags(cfg)
         self.family = family_of(cfg.model)
+        if cfg.dataset_config:
+            cfg = first_dataset(cfg, self.family)
         cfg = self.family.resolve_config(cfg)
         if cfg.num_workers is None:
             cfg = dataclasses.replace(cfg, num_workers=default_num_workers())
@@ -93,7 +96,9 @@ class Trainer:
             self.lora_base = broadcast_object({"path": cfg.init_weights, "sha256": weights_fingerprint(
                 cfg.init_weights)} if self.dist.rank == 0 else None)
         self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
-        self.dataset, self.cfg = self.family.load_data(cfg, self.encoders)  # settings the data decides
+        # settings the data decides
+        self.dataset, self.cfg = load_mixture(cfg, self.family, self.encoders) if cfg.dataset_config else \
+            self.family.load_data(cfg, self.encoders)
         self.objective = self.family.objective(self.cfg, self.encoders)
         train_data = self._split_validation()
         self._boost(self._build_model(), train_data)
@@ -181,7 +186,9 @@ class Trainer:
                                              shuffle=True, drop_last=True)
         self.model, self.optimizer, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
-        if self.loader.sampler.groups is not None:
+        if isinstance(self.dataset, MixedDataset):
+            logger.info("datasets (--dataset_config %s):\n%s", cfg.dataset_config, self.dataset.summary(cfg.batch_size))
+        elif self.loader.sampler.groups is not None:
             logger.info("aspect-ratio buckets (--buckets %s):\n%s", cfg.buckets, bucket_summary(
                 self.loader.sampler.groups, self.dataset.buckets.buckets, cfg.batch_size))
         # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter

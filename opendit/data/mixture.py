@@ -1,0 +1,216 @@
+"""Several datasets in one run: `train.py --dataset_config data.toml`.
+
+The file lists datasets as `[[datasets]]` tables, each with its kind (a --dataset name of the model's family),
+its path, how often it repeats per epoch, its own data settings (image size, buckets, frames, digits) and caption
+options:
+
+    [[datasets]]
+    kind = "captions"                 # a --dataset name of the model's family
+    path = "data/subject"             # what --data_path would be (built-in data: none)
+    repeats = 10                      # times each item is seen per epoch (default 1)
+    buckets = "auto"                  # any of DATA_SETTINGS, for this dataset only; the run's flags otherwise
+    trigger = "sks dog"               # put first in every caption
+    shuffle_tags = true               # shuffle the comma-separated tags of a caption ...
+    keep_tags = 1                     # ... keeping the first N where they are
+    caption_dropout = 0.1             # a caption is left empty this often (an unconditional sample)
+
+An epoch holds every item of every dataset `repeats` times. Each global batch comes from one dataset and one of
+its buckets (a dataset without buckets is one bucket at its image size): the items of a (dataset, bucket) pair
+are shuffled and cut into global batches, and the batches of all pairs are shuffled together, all from (seed,
+epoch) (opendit/data/sampler.py). So the mixture is a pure function of seed and epoch, and a run resumes exactly,
+also at another world size. The caption options are drawn per (seed, epoch, item), the same in every process.
+"""
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from opendit.config_files import fits, nearest, read_file
+from opendit.data.buckets import Bucket, BucketAssignment, bucket_assignment
+from opendit.seeding import mix_seed
+
+logger = logging.getLogger(__name__)
+
+# the run's settings a dataset may set for itself (those of them its config class has)
+DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval")
+CAPTION_OPTIONS = {"trigger": str, "shuffle_tags": bool, "keep_tags": int, "caption_dropout": float}
+ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, **CAPTION_OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptionOptions:
+    trigger: str = ""
+    shuffle_tags: bool = False
+    keep_tags: int = 0
+    caption_dropout: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self != CaptionOptions()
+
+    def apply(self, caption: str, seed: int) -> str:
+        """The caption as this item sees it this epoch (seed: from (run seed, epoch, item))."""
+        rng = np.random.default_rng(seed)
+        if self.caption_dropout and rng.random() < self.caption_dropout:
+            return ""
+        if self.shuffle_tags:
+            tags = [t.strip() for t in caption.split(",") if t.strip()]
+            kept, rest = tags[:self.keep_tags], tags[self.keep_tags:]
+            caption = ", ".join(kept + [rest[i] for i in rng.permutation(len(rest))])
+        if self.trigger and not caption.startswith(self.trigger):
+            caption = f"{self.trigger}, {caption}" if caption else self.trigger
+        return caption
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """One [[datasets]] table: name (for the log), the settings it replaces in the run's config, repeats."""
+    name: str
+    settings: dict
+    repeats: int
+    captions: CaptionOptions
+
+
+def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
+    """The datasets a --dataset_config file lists, checked against the run's config `cfg` and the family's
+    dataset names `kinds` (each problem a ValueError naming the file, the dataset and the key)."""
+    data = read_file(path)
+    unknown = sorted(set(data) - {"datasets"})
+    if unknown or not isinstance(data.get("datasets"), list) or not data["datasets"]:
+        raise ValueError(f"{path}: a dataset config is a list of [[datasets]] tables"
+                         + (f"; unknown top-level key {unknown[0]!r}" if unknown else ""))
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    own = [s for s in DATA_SETTINGS if s in fields]
+    entries = []
+    for i, table in enumerate(data["datasets"]):
+        where = f"{path}: dataset {i + 1}"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: must be a table of kind, path, repeats, ...")
+        for key, value in table.items():
+            kind = ENTRY_KEYS.get(key)
+            if kind is None and key not in own:
+                raise ValueError(f"{where}: unknown key {key!r}{nearest(key, [*ENTRY_KEYS, *own])} (keys: "
+                                 f"{', '.join([*ENTRY_KEYS, *own])})")
+            if kind is not None and not fits(value, kind):
+                raise ValueError(f"{where}: {key} = {value!r} must be of type {kind.__name__}")
+        if table.get("kind") not in kinds:
+            raise ValueError(f"{where}: kind = {table.get('kind')!r}; {cfg.model} trains on: {', '.join(kinds)}")
+        spec = kinds[table["kind"]]
+        if spec.path and not table.get("path"):
+            raise ValueError(f"{where}: kind {spec.name!r} needs a path: <{spec.path}>")
+        if not spec.path and table.get("path"):
+            raise ValueError(f"{where}: kind {spec.name!r} is built in and takes no path; leave path out")
+        if table.get("path") and not Path(table["path"]).exists():
+            raise FileNotFoundError(f"{where}: path {table['path']!r} does not exist")
+        repeats = table.get("repeats", 1)
+        if repeats < 1:
+            raise ValueError(f"{where}: repeats = {repeats}; must be an integer >= 1 (leave the dataset out instead)")
+        captions = CaptionOptions(**{k: table[k] for k in CAPTION_OPTIONS if k in table})
+        if not 0 <= captions.caption_dropout <= 1 or captions.keep_tags < 0:
+            raise ValueError(f"{where}: caption_dropout must be in [0, 1] and keep_tags >= 0")
+        if captions and spec.cache:
+            raise ValueError(f"{where}: a latent cache holds encoded captions; caption options need the captions "
+                             "themselves (a captioned folder or table)")
+        settings = {"dataset": spec.name, "data_path": table.get("path"), **{k: table[k] for k in own if k in table}}
+        entries.append(DatasetEntry(table.get("name") or table.get("path") or spec.name, settings, repeats,
+                                    captions))
+    if len({kinds[e.settings["dataset"]].cache for e in entries}) > 1:
+        raise ValueError(f"{path}: latent caches and raw data in one run; cache every dataset (preprocess.py) or none")
+    return entries
+
+
+class MixedDataset(Dataset):
+    """The datasets of a dataset config as one: item i of the epoch is item j of part k (each part's items
+    `repeats` times in a row), its caption options applied. `buckets` gives every (part, bucket) pair its own
+    bucket id, which the sampler forms global batches within. Other attributes (num_classes, channels,
+    latent_shape, embeddings, ...) are the first part's: a mixture's parts are data of one kind."""
+
+    def __init__(self, parts: list[Dataset], entries: list[DatasetEntry], image_sizes: list[int], seed: int):
+        self.parts, self.entries, self.seed, self.epoch = parts, entries, int(seed), 0
+        lengths = np.array([len(p) * e.repeats for p, e in zip(parts, entries)], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        buckets, ids = [], []
+        for part, entry, size in zip(parts, entries, image_sizes):
+            own = bucket_assignment(part)
+            part_ids = own.ids if own is not None else np.zeros(len(part), dtype=np.int64)
+            sizes = own.buckets if own is not None else [Bucket(size, size)]
+            ids.append(np.tile(np.where(part_ids >= 0, part_ids + len(buckets), -1), entry.repeats))
+            buckets += sizes
+        self.buckets = BucketAssignment(buckets, np.concatenate(ids))
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """-> (part, index in the part)."""
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return k, (index - int(self.offsets[k])) % len(self.parts[k])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        for part in self.parts:
+            if hasattr(part, "set_epoch"):
+                part.set_epoch(epoch)
+
+    def __getitem__(self, index: int):
+        k, j = self.locate(index)
+        item = self.parts[k][j]
+        options = self.entries[k].captions
+        if options and isinstance(item, tuple) and len(item) > 1 and isinstance(item[1], str):
+            item = (item[0], options.apply(item[1], mix_seed(self.seed, self.epoch, index)), *item[2:])
+        return item
+
+    def caption(self, index: int):
+        """Item index's caption with its dataset's trigger (what previews and validation show), None if none."""
+        k, j = self.locate(index)
+        caption_of = getattr(self.parts[k], "caption", None)
+        caption = caption_of(j) if callable(caption_of) else None
+        if caption is None or not self.entries[k].captions.trigger:
+            return caption
+        return CaptionOptions(trigger=self.entries[k].captions.trigger).apply(caption, 0)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "parts":
+            raise AttributeError(name)
+        return getattr(self.parts[0], name)
+
+    def summary(self, batch: int) -> str:
+        """A table for the log: each dataset's items, repeats, share of an epoch and buckets."""
+        total = max(len(self), 1)
+        rows = [f"{'dataset':>24} {'kind':>16} {'items':>7} {'repeats':>7} {'share':>6}  buckets (items)"]
+        for k, (part, entry) in enumerate(zip(self.parts, self.entries)):
+            ids = self.buckets.ids[self.offsets[k]:self.offsets[k + 1]]
+            counts = {str(self.buckets.buckets[b]): int((ids == b).sum()) for b in np.unique(ids[ids >= 0])}
+            shown = ", ".join(f"{size} ({n})" for size, n in counts.items())
+            rows.append(f"{entry.name[-24:]:>24} {entry.settings['dataset']:>16} {len(part):>7} {entry.repeats:>7} "
+                        f"{len(ids) / total:>6.1%}  {shown}")
+        rows.append(f"{len(self)} items an epoch, in global batches of {batch} from one dataset bucket each")
+        return "\n".join(rows)
+
+
+def first_dataset(cfg, family):
+    """cfg with --dataset and --data_path of its --dataset_config's first dataset: what the family resolves the
+    run's settings from (a latent cache's image size and VAE) before the data is loaded."""
+    first = read_dataset_config(cfg.dataset_config, cfg, family.datasets)[0].settings
+    return dataclasses.replace(cfg, dataset=first["dataset"], data_path=first["data_path"])
+
+
+def load_mixture(cfg, family, encoders) -> tuple[MixedDataset, object]:
+    """The datasets of cfg.dataset_config, each loaded by the family, mixed -> (the mixture, the run's cfg with
+    the settings the data decides). Every dataset must decide them alike."""
+    path = cfg.dataset_config
+    entries = read_dataset_config(path, cfg, family.datasets)
+    parts, decided, sizes = [], None, []
+    for entry in entries:
+        part, settled = family.load_data(dataclasses.replace(cfg, **entry.settings), encoders)
+        parts.append(part)
+        sizes.append(settled.image_size)
+        common = dataclasses.replace(settled, **{k: getattr(cfg, k) for k in entry.settings})
+        if decided is not None and common != decided:
+            differ = [f.name for f in dataclasses.fields(cfg) if getattr(common, f.name) != getattr(decided, f.name)]
+            raise ValueError(f"{path}: dataset {entry.name!r} decides {', '.join(differ)} unlike the first dataset "
+                             f"({', '.join(f'{k}={getattr(common, k)!r}' for k in differ)} against "
+                             f"{', '.join(repr(getattr(decided, k)) for k in differ)}); mix data of one kind")
+        decided = common
+    return MixedDataset(parts, entries, sizes, cfg.global_seed), decided
