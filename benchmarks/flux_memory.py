@@ -20,8 +20,8 @@ meta device: no storage, so a 12B model fits a laptop; docs/memory_planner.md):
 - EMA: fp32 beside the weights, in host memory (--ema_on_host), or none (--ema_decay 0).
 - encoders: T5-XXL (4.76B) and CLIP-L text (0.12B) in bf16, and FLUX's autoencoder (84M) in fp32, when
   encoding on the fly; training on a preprocess.py cache loads none of them.
-- LoRA (rank 16 by default, --lora_rank): the frozen base with its block Linear weights in bf16 (or in fp8,
-  torchao's float8 weight-only storage, 1 byte each), fp32 adapters with their gradients, AdamW states and EMA;
+- LoRA (rank 16 by default, --lora_rank): the frozen base with its Linear weights in bf16 (or, --base_dtype fp8,
+  those of its blocks in float8_e4m3fn, 1 byte each), fp32 adapters with their gradients, AdamW states and EMA;
   activations measured on the whole adapted model (a frozen Linear keeps no input for a weight gradient, the
   adapters keep their rank-r intermediates).
 Not in the columns: the planner's backward workspace and autocast weight copies (the note under the table gives
@@ -92,27 +92,22 @@ def option_sets(run: Run, budget: float) -> list[dict]:
     return rows + ([swap(fits)] if fits else [])
 
 
-def lora_run(a) -> tuple[Run, int, int]:
-    """(the planner's Run of the LoRA config, adapted layers, parameters of the block Linear weights torchao's
-    weight-only float8 would store in 1 byte)."""
+def lora_run(a) -> tuple[Run, Run, int]:
+    """(the planner's Run of the LoRA config with a bf16 base, the same with --base_dtype fp8, adapted layers)."""
     run = flux_run(a, lora_rank=a.lora_rank)
     family, cfg = family_of(a.model), run.cfg
     with torch.device("meta"):
         model = family.memory_model(cfg, family.memory_probe(cfg, torch.device("meta")).latent_shape)
         adapted = adapt_model(model, family, cfg, torch.bfloat16)
-    fp8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-              and m.weight.numel() >= 2 ** 20)
-    return run, len(adapted), fp8
+    return run, flux_run(a, lora_rank=a.lora_rank, base_dtype="fp8"), len(adapted)
 
 
-def lora_rows(run: Run, fp8_params: int, rank: int) -> list[dict]:
-    """Rows of a LoRA run: the frozen base in bf16, then with `fp8_params` of it in fp8 (1 byte saved each)."""
-    ckpt = row(f"LoRA rank {rank}: bf16 base, grad checkpointing", run, Options(grad_checkpoint=1))
-    fp8 = dict(ckpt, name=f"LoRA rank {rank}: fp8 block Linear weights (torchao float8 weight-only: planned, not in "
-                          "opendit yet), grad checkpointing", gpu=dict(ckpt["gpu"]))
-    fp8["gpu"]["weights"] -= fp8_params
+def lora_rows(run: Run, fp8: Run, rank: int) -> list[dict]:
+    """Rows of a LoRA run: the frozen base in bf16, then with its adapted Linear weights in fp8 (--base_dtype)."""
     return [row(f"LoRA rank {rank}: bf16 base, fp32 adapters + AdamW + EMA, no checkpointing", run, Options()),
-            ckpt, fp8]
+            row(f"LoRA rank {rank}: bf16 base, grad checkpointing", run, Options(grad_checkpoint=1)),
+            row(f"LoRA rank {rank}: --base_dtype fp8 (block Linear weights in e4m3, a scale per row), grad "
+                "checkpointing", fp8, Options(grad_checkpoint=1))]
 
 
 def table(rows, label: str, encoders: dict) -> str:
@@ -149,7 +144,7 @@ def main():
     text += (f"\n\nActivations (bf16, the planner's meta-device measurement): all saved tensors "
              f"{(f.root_acts + kept) / GB:.1f} GB; with checkpointing every block: block inputs {inputs / GB:.2f} GB "
              f"+ the largest block {max(b.kept for b in f.acts) / GB:.2f} GB + root {f.root_acts / GB:.2f} GB.")
-    lora, layers, fp8 = lora_run(a)
+    lora, fp8, layers = lora_run(a)
     label = (f"{a.model} LoRA rank {a.lora_rank} on {layers} layers ({lora.facts.trainable / 1e6:.1f}M adapter "
              f"parameters), {a.image_size}x{a.image_size}, batch 1, GB = 1e9 bytes")
     text += "\n\n" + table(lora_rows(lora, fp8, a.lora_rank), label, run.encoders)

@@ -58,10 +58,10 @@ stage 1 "$S" "optimizer offload (DiT-XL/2, batch 32)" && timeout "$S" python3 be
   --batch_size 32 --steps 4 --out "$WORK/optim_offload.md" 2>&1 | quiet | tail -12
 
 S=${TESTS_S:-50}
-stage 1 "$S" "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap)" && timeout "$S" \
+stage 1 "$S" "gpu tests (kernels bf16 on CUDA, compile, fused backward, block swap, fp8 LoRA base)" && timeout "$S" \
   python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_attention.py \
   tests/test_kernels_compile.py tests/test_perf.py tests/test_optim_fused.py tests/test_optim_multi_tensor.py \
-  tests/test_block_swap.py -m gpu 2>&1 | tail -25 | tee "$WORK/gpu_tests.txt"
+  tests/test_block_swap.py tests/test_lora_fp8.py -m gpu 2>&1 | tail -25 | tee "$WORK/gpu_tests.txt"
 
 stage 1 15 "opendit.eval on CUDA: the FID Inception (random weights) through the CLI, FID / IS / precision-recall" \
   && timeout 15 python3 -m pytest -q -p no:cacheprovider tests/test_eval.py \
@@ -112,6 +112,11 @@ S=${LORA_S:-100}
 stage 2 "$S" "LoRA: flux-dev rank 16 at 1024px (bf16 base of zeros written to /dev/shm, grad checkpointing; synthetic cache)" \
   && timeout "$S" python3 benchmarks/lora_step.py --device cuda --steps 3 --work /dev/shm/lora_step \
   --out "$WORK/lora_step.md" 2>&1 | quiet | tail -6
+
+S=${LORA_FP8_S:-100}
+stage 2 "$S" "LoRA: the same with --base_dtype fp8 (the blocks' frozen Linear weights in e4m3, upcast per layer)" \
+  && timeout "$S" python3 benchmarks/lora_step.py --device cuda --steps 3 --work /dev/shm/lora_step --base_dtype fp8 \
+  --out "$WORK/lora_step_fp8.md" 2>&1 | quiet | tail -6
 
 S=${FLUX_S:-120}
 stage 2 "$S" "FLUX: flux-dev 1024px full fine-tune step under a 16 GiB cap (lean options, block swap; synthetic cache, base of zeros)" \

@@ -8,7 +8,8 @@ fp32: a full fine-tune and a rank-8 LoRA (the family's default targets) on the f
 the other in this process; reports seconds per step (median after the first), trainable parameters, optimizer
 state bytes and the checkpoint's size on disk, with LoRA / full ratios.
 GPU (--device cuda): the LoRA step alone on a synthetic FLUX cache (flux_lean_step.py's) with a base file of
-zeros (no download; values do not change the time), bf16 base, activation checkpointing, no EMA; reports the
+zeros (no download; values do not change the time), bf16 base (--base_dtype fp8: its blocks' Linear weights in
+fp8), activation checkpointing, no EMA; reports the
 seconds to write and fingerprint the base, the set-up, seconds per step and the peak GPU memory. Its full
 fine-tune counterpart is flux_lean_step.py (a separate process in gpu_check.sh).
 """
@@ -87,11 +88,13 @@ def gpu_step(a) -> str:
     cfg = cfglib.TrainConfig(model=a.model, dataset="latents", data_path=str(work / "cache"), batch_size=1,
                              max_steps=a.steps, log_every=1, ckpt_every=10 ** 9, num_workers=0, lr=1e-4,
                              outputs=str(work / "runs"), init_weights=str(work / "base.safetensors"),
-                             lora_rank=a.rank, mixed_precision="bf16", grad_checkpoint=1, ema_decay=0.0)
+                             lora_rank=a.rank, mixed_precision="bf16", grad_checkpoint=1, ema_decay=0.0,
+                             base_dtype=a.base_dtype)
     setup_s, times, loss, host_gb = time_trainer_steps(cfg, a.steps, cuda=True)
     steady = times[1:] or times
     return "\n".join([
-        f"# {a.model} LoRA rank {a.rank} step, {a.image_size}x{a.image_size}, batch 1, bf16 base, grad checkpointing",
+        f"# {a.model} LoRA rank {a.rank} step, {a.image_size}x{a.image_size}, batch 1, "
+        f"{'bf16' if a.base_dtype == 'auto' else a.base_dtype} base, grad checkpointing",
         "", "| base file write s | set-up s (fingerprint, load) | first step s | steady s/step | peak GPU allocated "
             "GiB | peak host RSS GB | last loss |", "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {write_s:.0f} | {setup_s:.0f} | {times[0]:.2f} | {sum(steady) / len(steady):.2f} | "
@@ -107,6 +110,7 @@ def main():
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: 8 on CPU, 16 on CUDA)")
     p.add_argument("--batch_size", type=int, default=64, help="CPU demo")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: 30 on CPU, 3 on CUDA)")
+    p.add_argument("--base_dtype", default="auto", choices=["auto", "fp8"], help="--device cuda: train.py's flag")
     p.add_argument("--work", default="/tmp/lora_step")
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -226,6 +226,10 @@ class TrainLoRA:
                                          "attention and MLP layers")
     init_lora: str | None = opt(None, "start the adapters from this LoRA file (diffusers/PEFT or kohya/ComfyUI "
                                       "layout, e.g. one made by another tool)")
+    base_dtype: str = opt("auto", "how the frozen Linear weights of the model's blocks are stored: auto (the compute "
+                                  "dtype: bf16 under --mixed_precision bf16, else fp32) or fp8 (float8_e4m3fn with a "
+                                  "scale per output row, upcast layer by layer for the matmul: half of bf16's memory; "
+                                  "--plugin ddp)", ("auto", "fp8"))
 
 
 @dataclass

@@ -134,6 +134,11 @@ class DDPPlugin(Plugin):
         model.to(self.device)  # in place: the Parameter objects (and the optimizer's references) survive
         # the whole world is one replica group: dp_shard is 1, and SP ranks average their chunk gradients too
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # float8 tensors (a LoRA run's --base_dtype fp8 base) are not broadcast at wrap time: no collective takes
+        # them, and every rank quantized the same weights file
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [
+            name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype.itemsize == 1
+            and t.is_floating_point()])
         # gradients live in DDP's communication buckets instead of beside them: one copy, not two; a model that
         # declares `partly_used` (a step trains part of it) leaves the others' gradients None
         return DDP(model, device_ids=device_ids, process_group=None, gradient_as_bucket_view=True,

@@ -46,15 +46,51 @@ class Adapter(NamedTuple):
         return self.B.float() @ self.A.float() * self.scale
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (float8_e4m3fn [out, in], fp32 scale [out]): each row scaled so its largest magnitude
+    is e4m3's largest (448); a row of zeros gets scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / torch.finfo(FP8).max, torch.ones_like(amax))
+    return (w / scale[:, None]).to(FP8), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T + b with W stored in fp8 (frozen): the weight is upcast for the matmul and again for the input
+    gradient, so autograd keeps the fp8 weight for backward, never an upcast copy."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias):
+        ctx.save_for_backward(q, scale)
+        ctx.x_dtype = x.dtype
+        return F.linear(x, dequantize_fp8(q, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, scale = ctx.saved_tensors
+        return (grad @ dequantize_fp8(q, scale, grad.dtype)).to(ctx.x_dtype), None, None, None
+
+
 class LoRALinear(nn.Linear):
-    """An nn.Linear with adapters (see the module docstring); made from a Linear by `add_lora`, never built."""
+    """An nn.Linear with adapters (see the module docstring); made from a Linear by `add_lora`, never built.
+    Its frozen weight may be stored in fp8 (`quantize_frozen_linears`), with `weight_scale` per output row."""
     lora_A: nn.ParameterList
     lora_B: nn.ParameterList
     lora_scale: list
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.weight.dtype == FP8:
+            y = _Fp8Linear.apply(x, self.weight, self.weight_scale, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if len(self.lora_A):
             h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
             for A, B, s in zip(self.lora_A, self.lora_B, self.lora_scale):
@@ -64,10 +100,16 @@ class LoRALinear(nn.Linear):
     def merged_weight(self) -> torch.Tensor:
         """W + sum_i s_i B_i A_i, differentiable in the adapters: for code that takes a Linear's weight rather
         than calling it (the sequence-parallel projections). Dropout does not apply there."""
-        w = self.weight
+        w = self.base_weight()
         for A, B, s in zip(self.lora_A, self.lora_B, self.lora_scale):
             w = w + (B @ A).to(w.dtype) * s
         return w
+
+    def base_weight(self) -> torch.Tensor:
+        """The frozen weight as the matmul sees it: an fp8 weight upcast to the dtype it was quantized from."""
+        if self.weight.dtype == FP8:
+            return dequantize_fp8(self.weight, self.weight_scale, self.fp8_from)
+        return self.weight
 
     def extra_repr(self) -> str:
         ranks = [A.shape[0] for A in self.lora_A]
@@ -201,10 +243,14 @@ def merge_adapters(model: nn.Module) -> int:
     again: the model's state_dict is then the official layout. Returns the layers merged."""
     merged = 0
     for m in lora_modules(model).values():
-        w = m.weight.float()
+        w = m.base_weight().float()
         for A, B, s in zip(m.lora_A, m.lora_B, m.lora_scale):
             w += B.float() @ A.float() * s
-        m.weight.copy_(w.to(m.weight.dtype))
+        if m.weight.dtype == FP8:  # merged weights are trained ones: back in the dtype they were quantized from
+            m.weight = nn.Parameter(w.to(m.fp8_from), requires_grad=False)
+            del m.weight_scale, m.fp8_from
+        else:
+            m.weight.copy_(w.to(m.weight.dtype))
         del m.lora_A, m.lora_B, m.lora_scale, m.lora_dropout
         m.__class__ = nn.Linear
         merged += 1
@@ -218,7 +264,25 @@ def cast_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             for p in (m.weight, m.bias):
-                if p is not None and not p.requires_grad and p.dtype != dtype and p.is_floating_point():
+                if p is not None and not p.requires_grad and p.dtype not in (dtype, FP8) and p.is_floating_point():
                     p.data = p.data.to(dtype)
                     count += 1
+    return count
+
+
+@torch.no_grad()
+def quantize_frozen_linears(modules) -> int:
+    """Store the frozen weight of every Linear among `modules` (e.g. a model's blocks) in fp8 (float8_e4m3fn, a
+    scale per output row: 1 byte a weight), upcast layer by layer for its matmul to the dtype it had. A Linear
+    without adapters becomes a LoRALinear without any (the same keys and outputs). Returns the layers quantized."""
+    count = 0
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad and m.weight.dtype != FP8:
+                m = _attach(m)
+                q, scale = quantize_fp8(m.weight)
+                m.fp8_from = m.weight.dtype
+                m.weight = nn.Parameter(q, requires_grad=False)
+                m.register_buffer("weight_scale", scale, persistent=False)
+                count += 1
     return count

@@ -10,9 +10,10 @@ import torch.nn as nn
 
 from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters, stacked_map
 from opendit.lora.lycoris import load_lycoris, merge_deltas
+from opendit.booster.parallelize import iter_blocks
 from opendit.distributed import current_rank
 from opendit.lora.layer import (add_lora, attach_adapters, cast_frozen_linears, linear_names, load_trained_adapters,
-                                trained_adapters)
+                                quantize_frozen_linears, trained_adapters)
 
 logger = logging.getLogger("opendit")
 
@@ -24,9 +25,15 @@ def check_lora_flags(cfg) -> None:
     """The LoRA flags no run can use, before anything is built."""
     if not cfg.lora_rank:
         given = [f for f in ("lora_alpha", "lora_targets", "init_lora") if getattr(cfg, f) is not None]
+        if cfg.base_dtype != "auto":
+            raise ValueError(f"--base_dtype {cfg.base_dtype} stores frozen base weights, never trained ones: add "
+                             "--lora_rank R (e.g. 16), or leave it out")
         if given or cfg.lora_dropout:
             raise ValueError(f"--{(given or ['lora_dropout'])[0]} applies to LoRA runs: add --lora_rank R (e.g. 16)")
         return
+    if cfg.base_dtype == "fp8" and cfg.plugin != "ddp":
+        raise ValueError(f"--base_dtype fp8 with --plugin {cfg.plugin}: the sharding plugins keep one dtype per "
+                         "sharded group; use --plugin ddp (an fp8 base is for fitting one GPU)")
     if not cfg.init_weights:
         raise ValueError(f"--lora_rank {cfg.lora_rank} trains adapters on frozen base weights: pass them with "
                          "--init_weights (an official checkpoint, a diffusers folder, an EMA export)")
@@ -76,10 +83,13 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
             if p.is_floating_point() and p.dtype != compute_dtype:
                 p.data = p.data.to(compute_dtype)
                 cast += 1
+    stored = f"; frozen Linear weights stored in {compute_dtype}" if cast else ""
+    if cfg.base_dtype == "fp8":  # the blocks' Linears: the bulk of the weights; embedders and final layer as they were
+        stored = f"; the frozen weights of {quantize_frozen_linears(iter_blocks(model))} block Linear layers stored " \
+                 "in fp8 (e4m3, a scale per row), upcast for each matmul"
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("LoRA rank %d (alpha %s) on %d layers: %.2fM trainable parameters%s", cfg.lora_rank,
-                cfg.lora_alpha or cfg.lora_rank, len(names), trained / 1e6,
-                f"; frozen Linear weights stored in {compute_dtype}" if cast else "")
+                cfg.lora_alpha or cfg.lora_rank, len(names), trained / 1e6, stored)
     return names
 
 
