@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Launch FLUX training. RECIPE=digits (the built-in demo, CPU-sized: flux-debug on 16 px captioned digits through
 # tiny random local T5 / CLIP encoders, made on first use), RECIPE=lora_digits (the LoRA demo: a flux-debug base
-# trained on the digits 0-4 only, then a rank-8 LoRA on 5-9 with their captions; benchmarks/lora_quality.py
-# scores it) or RECIPE=finetune (a full fine-tune of flux-dev from the official weights with the memory-lean
+# trained on the digits 0-4 only, then a rank-8 LoRA on 5-9 with their captions beside prior images of 0-4 that
+# the base made; benchmarks/lora_quality.py scores it) or RECIPE=finetune (a full fine-tune of flux-dev from the official weights with the memory-lean
 # options). NGPU, MODEL and extra flags come from the environment / command line:
 #   RECIPE=digits bash train_flux.sh                                             # CPU demo
 #   RECIPE=lora_digits bash train_flux.sh                                        # CPU LoRA demo (extra flags: LoRA)
@@ -38,9 +38,12 @@ case "$RECIPE" in
     ENC=${ENC:-outputs/flux_demo_encoders}
     OUT=${OUT:-outputs/flux_lora_digits}
     BASE_STEPS=${BASE_STEPS:-1200}
-    LORA_STEPS=${LORA_STEPS:-600}
+    LORA_STEPS=${LORA_STEPS:-1200}
     BATCH=${BATCH:-64}
     RANK=${RANK:-8}
+    PRIOR=${PRIOR:-10}                 # prior images per 0-4 caption (20 captions); 0: no prior preservation
+    PRIOR_REPEATS=${PRIOR_REPEATS:-4}
+    PRIOR_WEIGHT=${PRIOR_WEIGHT:-1.0}
     [ -f "$ENC/t5/config.json" ] || python -m opendit.families.flux.tiny_t5 "$ENC/t5"
     [ -f "$ENC/clip/config.json" ] || python -m opendit.encoders.tiny_clip "$ENC/clip" --words digits
     common=(--model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --t5 "$ENC/t5" --clip "$ENC/clip"
@@ -57,9 +60,25 @@ case "$RECIPE" in
     else
       echo "== stage 1: done, the base is $base"
     fi
+    data=(--digits 5-9)
+    if [ "$PRIOR" -gt 0 ]; then  # prior preservation: the base's own 0-4 images, captioned, beside 5-9
+      if [ ! -f "$OUT/prior/$(printf '%06d' $((PRIOR * 20 - 1))).txt" ]; then
+        echo "== stage 1b: $PRIOR prior images per 0-4 caption, sampled from the base -> $OUT/prior"
+        start=$SECONDS
+        rm -rf "$OUT/prior"
+        python -c "from opendit.data.captions import digit_caption as c; print('\n'.join(c(d, v) for d in range(5) for v in range(4)))" \
+          > "$OUT/prior_prompts.txt"
+        python -m opendit.prior --ckpt "$base" --prompts_file "$OUT/prior_prompts.txt" --num "$PRIOR" \
+          --out "$OUT/prior" --cfg_scale 4 --num_sampling_steps 50 --batch_size 200
+        echo "== stage 1b took $((SECONDS - start)) s"
+      fi
+      printf '[[datasets]]\nkind = "captioned_digits"\nname = "new digits 5-9"\ndigits = "5-9"\n\n[[datasets]]\nkind = "captions"\nname = "prior: the base on 0-4"\npath = "%s"\nprior = true\nrepeats = %s\n' \
+        "$OUT/prior" "$PRIOR_REPEATS" > "$OUT/data.toml"
+      data=(--dataset_config "$OUT/data.toml" --prior_loss_weight "$PRIOR_WEIGHT")
+    fi
     start=$SECONDS
     echo "== stage 2: a rank-$RANK LoRA on the digits 5-9 ($LORA_STEPS steps) -> $OUT/lora"
-    launch "${common[@]}" --digits 5-9 --init_weights "$base" --lora_rank "$RANK" --lr 2e-3 --text_dropout_prob 0 \
+    launch "${common[@]}" "${data[@]}" --init_weights "$base" --lora_rank "$RANK" --lr 2e-3 --text_dropout_prob 0 \
       --max_steps "$LORA_STEPS" --ckpt_every "$LORA_STEPS" --log_every 100 --outputs "$OUT/lora" "$@"
     echo "== stage 2 took $((SECONDS - start)) s"
     lora=$(ls -d "$OUT"/lora/*/checkpoints/step-* | sort | tail -n 1)

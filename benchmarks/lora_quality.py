@@ -1,5 +1,6 @@
 """LoRA quality benchmark: does the adapter learn something new? `RECIPE=lora_digits bash train_flux.sh` trains a
-flux-debug base on the captioned digits 0-4 only, then a rank-8 LoRA on the digits 5-9 with their captions; this
+flux-debug base on the captioned digits 0-4 only, samples prior images of 0-4 from it (python -m opendit.prior),
+then a rank-8 LoRA on the digits 5-9 with their captions beside those prior images (prior preservation); this
 samples prompts naming each digit ("a handwritten seven") from the base with the adapter (0-9) and without it,
 and has the independent classifier of flux_quality.py / digits_quality.py (an RBF SVM trained on real digits
 only) name each sample's digit.
@@ -47,7 +48,8 @@ def run_recipe(a, extra: list[str]) -> tuple[str, str, dict]:
     out = Path(a.outputs).resolve()
     encoders(out / "encoders", "flux-debug")  # made here, in this process (the recipe would start two more)
     env = {**os.environ, "RECIPE": "lora_digits", "OUT": str(out), "ENC": str(out / "encoders")}
-    for name, value in (("BASE_STEPS", a.base_steps), ("LORA_STEPS", a.lora_steps), ("BATCH", a.batch_size)):
+    for name, value in (("BASE_STEPS", a.base_steps), ("LORA_STEPS", a.lora_steps), ("BATCH", a.batch_size),
+                        ("PRIOR", a.prior), ("PRIOR_REPEATS", a.prior_repeats), ("PRIOR_WEIGHT", a.prior_weight)):
         if value is not None:
             env[name] = str(value)
     t0 = time.time()
@@ -58,7 +60,7 @@ def run_recipe(a, extra: list[str]) -> tuple[str, str, dict]:
     if proc.returncode:
         raise SystemExit(f"the recipe failed (exit {proc.returncode}); its output is above")
     found = dict(re.findall(r"^(base|LoRA checkpoint) \(.*?\): (\S+)$", proc.stdout, re.M))
-    seconds.update({f"stage_{k}": int(v) for k, v in re.findall(r"^== stage (\d) took (\d+) s", proc.stdout, re.M)})
+    seconds.update({f"stage_{k}": int(v) for k, v in re.findall(r"^== stage (\w+) took (\d+) s", proc.stdout, re.M)})
     return found["base"], found["LoRA checkpoint"], seconds
 
 
@@ -84,6 +86,10 @@ def main():
     p.add_argument("--base_steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--lora_steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--batch_size", type=int, default=None, help="both stages; default: the recipe's")
+    p.add_argument("--prior", type=int, default=None, help="prior images per 0-4 caption (0: none); default: the "
+                   "recipe's")
+    p.add_argument("--prior_repeats", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--prior_weight", type=float, default=None, help="--prior_loss_weight; default: the recipe's")
     p.add_argument("--samples_per_digit", type=int, default=20)
     p.add_argument("--cfg_scale", type=float, default=4.0, help="true classifier-free guidance (empty negative)")
     p.add_argument("--sampling_steps", type=int, default=50)

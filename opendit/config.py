@@ -99,6 +99,9 @@ class TrainData:
     dataset_config: str | None = opt(None, "a .toml or .yaml file listing datasets to mix, each with its kind, path, "
                                            "repeats, sizes and caption options (docs/training.md); replaces "
                                            "--dataset and --data_path")
+    prior_loss_weight: float = opt(1.0, "the loss weight of the batches from a --dataset_config dataset marked "
+                                        "prior = true (DreamBooth's prior preservation; python -m opendit.prior "
+                                        "samples such images from the base)", check="nonneg")
     digits: str | None = opt(None, f"the built-in digits datasets (digits, captioned_digits): train on these digits "
                                    f"only, {DIGITS_HELP}; default: all ten")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "

@@ -15,16 +15,19 @@ from safetensors import SafetensorError
 
 from opendit import config as cfglib
 from opendit.booster.parallelize import apply_compile
-from opendit.booster.precision import cast_forward_io, compute_dtype
+from opendit.booster.precision import cast_forward_io, compute_dtype, set_tf32
 from opendit.checkpoint import CheckpointCorruptError, checkpoint_kind, latest_run_checkpoint, load_into_meta_model
 from opendit.checkpoint.layout import is_step_dir
 from opendit.checkpoint.safe_read import safe_load
 from opendit.checkpoint.weights import ACCEPTED
+from opendit.cli import setup_finished
+from opendit.distributed import cleanup, init_distributed
 from opendit.encoders.vae_decode import DecodeOptions, check_tile_size
 from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.lora.run import apply_lora_files, parse_lora_spec
 from opendit.models.step_cache import THRESHOLD_CACHES, StepCache, check_supported, make_step_cache
+from opendit.training.run_log import setup_logging
 from opendit.parallel import (enable_cfg_parallel, enable_sequence_parallel, sampling_mesh, validate_cfg_parallel,
                               validate_sp)
 
@@ -292,3 +295,41 @@ def with_vae_decode(loaded, sample_cfg, world_size: int, dp_size: int):
     options = DecodeOptions(tiling=sample_cfg.vae_tiling or tile is not None, tile_size=tile,
                             batch=sample_cfg.vae_batch, group=group)
     return dataclasses.replace(loaded, vae_decode=options)
+
+
+def sample_to_folder(cfg) -> None:
+    """sample.py: every process of the job samples its share of the global indices of cfg (a SampleConfig) and
+    the writers put them into cfg.out (the family's images / videos, grid, samples.npz)."""
+    if not cfg.ckpt:
+        raise SystemExit("sample.py: --ckpt is required (an EMA .safetensors, a checkpoint folder, or a DiT .pt)")
+    info = init_distributed()
+    setup_logging(info.rank)
+    set_tf32(info.device)
+    loaded = load_model(cfg, info.device)
+    family, run = loaded.family, loaded.cfg
+    try:
+        cfg = complete_sample_config(family, cfg, run)
+        conditions = family.conditions(cfg, run)
+        dp_rank, dp_size, writes = sampling_groups(loaded, cfg, conditions, info)  # SP and CFG-parallel groups
+        loaded = with_vae_decode(loaded, cfg, info.world_size, dp_size)  # tiling, --parallel_decode
+        cache = attach_step_cache(loaded.model, cfg, loaded.companions)  # --cache: None, or reset before every batch
+    except ValueError as e:
+        raise SystemExit(f"sample.py: {e}") from None
+    sampler = family.make_sampler(cfg, run)
+    sampler.progress = info.rank == 0  # a progress bar over each batch's denoising steps
+    num = cfg.num_samples or len(conditions)
+    writer = family.writer(Path(cfg.out), cfg, run)
+    setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
+    for batch in global_batches(num, cfg.batch_size, dp_rank, dp_size):
+        if cache is not None:
+            cache.reset()  # what it stored belongs to the last batch's samples
+        samples = family.sample_batch(loaded, sampler, batch, conditions, cfg, info.device)
+        for i, sample in zip(batch, samples if writes else []):
+            writer.write(i, sample)
+        logger.info("samples %d-%d of %d written%s", batch.start, batch.stop - 1, num,
+                    "" if cache is None else f" ({cache.report()})")
+    dist.barrier()
+    if info.rank == 0:
+        written = writer.finish(num, conditions)
+        logger.info("wrote %s (%s)", cfg.out, ", ".join(written))
+    cleanup()

@@ -1,6 +1,7 @@
 """Bucketed training end to end: class folders and captioned images of mixed shapes train from the command line,
 resume exactly (also at another world size), validate per bucket, cache each item at its bucket's size, and the
 trained models sample at a non-square size."""
+import dataclasses
 import json
 
 import numpy as np
@@ -159,3 +160,8 @@ def test_video_buckets_by_shape_and_frame_count(tmp_path):
                     num_frames=2, buckets="32x16,16x32,24x24", bucket_frames=[4, 2], batch_size=2, max_steps=3)
     trainer, losses = run_trainer(cfg)
     assert len(losses) == 3 and all(np.isfinite(losses))
+    # a frame count no clip reaches: one line naming it, before any model is built or folder made
+    with pytest.raises(ValueError, match=r"none of the 13 items .* fits a bucket .*shorter than every "
+                                         r"--bucket_frames 16; list a frame count the clips have"):
+        run_trainer(dataclasses.replace(cfg, bucket_frames=[16], outputs=str(tmp_path / "never")))
+    assert not (tmp_path / "never").exists()

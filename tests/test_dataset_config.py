@@ -103,6 +103,8 @@ def test_caption_options_are_drawn_per_seed_epoch_and_item():
     ('[[datasets]]\nkind = "folder"\n', r"kind 'folder' needs a path"),
     ('[[datasets]]\nkind = "digits"\nrepeats = "2"\n', r"repeats = '2' must be of type int"),
     ('[[datasets]]\nkind = "digits"\ncaption_dropout = 2\n', r"caption_dropout must be in \[0, 1\]"),
+    ('[[datasets]]\nkind = "digits"\nimage_size = 0\n', r"--image_size 0: must be an integer > 0"),
+    ('[[datasets]]\nkind = "digits"\nimage_size = "16"\n', r"image_size = '16' must be of type int \| None"),
     ('[[datasets]]\nkind = "digits"\n[other]\n', r"unknown top-level key 'other'"),
     ('[[datasets]]\nkind = "digits"\nrepeats = = 1\n', r"data.toml: not valid TOML: .*line 3"),
     ("datasets = []\n", r"a dataset config is a list of \[\[datasets\]\] tables"),
@@ -148,3 +150,46 @@ def test_a_mixed_run_resumes_at_another_world_size(tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_prior_batches_weigh_by_prior_loss_weight(tmp_path):
+    """Every global batch comes from one dataset: a prior dataset's batches have their loss (and gradients)
+    scaled by --prior_loss_weight, the others not."""
+    text = MIX.replace('name = "old digits"', 'name = "old digits"\nprior = true')
+    a, plain = run_trainer(_mixed(tmp_path / "a", text=text, max_steps=12))
+    _, weighted = run_trainer(_mixed(tmp_path / "b", text=text, max_steps=12, prior_loss_weight=0.5))
+    prior = (_parts_of_batches(a)[:12, 0] == 0).tolist()  # part 0's one bucket is group 0
+    first = prior.index(True)  # (this seed's order has one among the first 12)
+    assert weighted[:first] == plain[:first]  # the same model until the first prior batch
+    assert weighted[first] == pytest.approx(0.5 * plain[first], rel=1e-6)
+    assert a.dataset.loss_weight(0) == 1.0 and a.dataset.entries[0].loss_weight == 1.0  # the default weight
+
+
+def test_prior_images_from_the_base_train_as_a_prior_dataset(tmp_path):
+    """python -m opendit.prior writes a captioned folder sampled from a text model; a dataset config marks it prior
+    beside the new data."""
+    from opendit.prior import main as prior_main
+    from tests.test_flux_family import flux_cfg, tiny_text_encoders
+
+    encoders = tiny_text_encoders(tmp_path / "enc")
+    base, _ = run_trainer(flux_cfg(tmp_path / "base", encoders, max_steps=2, digits="0-4"))
+    ckpt = next((tmp_path / "base").glob("*/checkpoints/step-000002"))
+    prompts = ["a handwritten zero", "the digit one"]
+    prior_main(["--ckpt", str(ckpt), "--prompts", *prompts, "--num", "3", "--out", str(tmp_path / "prior"),
+                "--num_sampling_steps", "2", "--batch_size", "4"])
+    images = sorted((tmp_path / "prior").glob("*.png"))
+    assert len(images) == 6 and sorted(p.name for p in (tmp_path / "prior").iterdir()) == sorted(
+        [p.name for p in images] + [p.with_suffix(".txt").name for p in images])
+    assert [p.with_suffix(".txt").read_text().strip() for p in images] == prompts * 3
+    with pytest.raises(SystemExit):  # a folder that holds files is never written into
+        prior_main(["--ckpt", str(ckpt), "--prompts", "x", "--num", "1", "--out", str(tmp_path / "prior")])
+    assert len(list((tmp_path / "prior").iterdir())) == 12
+    (tmp_path / "data.toml").write_text(f'[[datasets]]\nkind = "captioned_digits"\ndigits = "5-9"\n\n'
+                                        f'[[datasets]]\nkind = "captions"\npath = "{tmp_path / "prior"}"\n'
+                                        f'prior = true\nrepeats = 4\n')
+    trainer, losses = run_trainer(flux_cfg(tmp_path / "lora", encoders, init_weights=str(ckpt / "ema.safetensors"),
+                                           lora_rank=4, dataset_config=str(tmp_path / "data.toml"),
+                                           prior_loss_weight=0.5, max_steps=2))
+    assert [e.loss_weight for e in trainer.dataset.entries] == [1.0, 0.5] and all(np.isfinite(losses))
+    mixed = trainer.dataset  # the RGB prior images in the grey digits' one channel (luma)
+    assert trainer.dataset.parts[1].channels == 3 and mixed[len(mixed) - 1][0].shape == mixed[0][0].shape == (1, 8, 8)

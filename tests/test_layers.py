@@ -17,7 +17,7 @@ LAYERS = (
     {"checkpoint"},
     {"families"},
     {"config"},
-    {"training", "inference", "cli", "eval", "plot", "flags_doc", "lora", "plan"},
+    {"training", "inference", "cli", "eval", "plot", "flags_doc", "lora", "plan", "prior"},
 )
 
 

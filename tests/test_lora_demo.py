@@ -57,10 +57,13 @@ def test_training_on_a_digit_subset(tmp_path, encoders):  # noqa: F811
 
 @pytest.mark.slow
 def test_lora_quality_smoke(tmp_path):
-    """Both stages of the recipe (a few steps each), sampling with and without the adapter, the table."""
+    """The recipe's stages (a few steps each; one prior image per 0-4 caption), sampling with and without the
+    adapter, the table."""
     out = cli("benchmarks/lora_quality.py", "--base_steps", "2", "--lora_steps", "2", "--batch_size", "4",
-              "--samples_per_digit", "1", "--sampling_steps", "2", "--outputs", tmp_path)
+              "--samples_per_digit", "1", "--sampling_steps", "2", "--prior", "1", "--outputs", tmp_path)
     result = result_of(out)
+    assert {"stage_1", "stage_1b", "stage_2"} <= set(result["seconds"])
+    assert len(list((tmp_path / "prior").glob("*.txt"))) == 20  # the 20 captions of 0-4, one image each
     assert [(r["samples"], r["digits"]) for r in result["rows"]] == [
         ("base + adapter", "5-9"), ("base + adapter", "0-4"), ("base alone", "5-9"), ("base alone", "0-4")]
     assert all(0 <= r["accuracy"] <= 1 for r in result["rows"])

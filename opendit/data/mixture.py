@@ -13,6 +13,7 @@ options:
     shuffle_tags = true               # shuffle the comma-separated tags of a caption ...
     keep_tags = 1                     # ... keeping the first N where they are
     caption_dropout = 0.1             # a caption is left empty this often (an unconditional sample)
+    prior = true                      # class images (python -m opendit.prior): loss weighted by --prior_loss_weight
 
 An epoch holds every item of every dataset `repeats` times. Each global batch comes from one dataset and one of
 its buckets (a dataset without buckets is one bucket at its image size): the items of a (dataset, bucket) pair
@@ -22,12 +23,14 @@ also at another world size. The caption options are drawn per (seed, epoch, item
 """
 import dataclasses
 import logging
+import typing
 from pathlib import Path
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from opendit.config_files import fits, nearest, read_file
+from opendit.options import check_value
 from opendit.data.buckets import Bucket, BucketAssignment, bucket_assignment
 from opendit.seeding import mix_seed
 
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 # the run's settings a dataset may set for itself (those of them its config class has)
 DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval")
 CAPTION_OPTIONS = {"trigger": str, "shuffle_tags": bool, "keep_tags": int, "caption_dropout": float}
-ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, **CAPTION_OPTIONS}
+ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, "prior": bool, **CAPTION_OPTIONS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +68,13 @@ class CaptionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
-    """One [[datasets]] table: name (for the log), the settings it replaces in the run's config, repeats."""
+    """One [[datasets]] table: name (for the log), the settings it replaces in the run's config, repeats, caption
+    options and the weight of its batches' loss (--prior_loss_weight for a prior dataset, else 1)."""
     name: str
     settings: dict
     repeats: int
     captions: CaptionOptions
+    loss_weight: float = 1.0
 
 
 def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
@@ -80,7 +85,7 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
     if unknown or not isinstance(data.get("datasets"), list) or not data["datasets"]:
         raise ValueError(f"{path}: a dataset config is a list of [[datasets]] tables"
                          + (f"; unknown top-level key {unknown[0]!r}" if unknown else ""))
-    fields = {f.name for f in dataclasses.fields(cfg)}
+    fields, hints = {f.name: f for f in dataclasses.fields(cfg)}, typing.get_type_hints(type(cfg))
     own = [s for s in DATA_SETTINGS if s in fields]
     entries = []
     for i, table in enumerate(data["datasets"]):
@@ -92,8 +97,14 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
             if kind is None and key not in own:
                 raise ValueError(f"{where}: unknown key {key!r}{nearest(key, [*ENTRY_KEYS, *own])} (keys: "
                                  f"{', '.join([*ENTRY_KEYS, *own])})")
-            if kind is not None and not fits(value, kind):
-                raise ValueError(f"{where}: {key} = {value!r} must be of type {kind.__name__}")
+            if kind is None:  # one of the run's settings: its flag's type and range
+                kind = hints[key]
+                try:
+                    check_value(fields[key], value if fits(value, kind) else None)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            if not fits(value, kind):
+                raise ValueError(f"{where}: {key} = {value!r} must be of type {getattr(kind, '__name__', kind)}")
         if table.get("kind") not in kinds:
             raise ValueError(f"{where}: kind = {table.get('kind')!r}; {cfg.model} trains on: {', '.join(kinds)}")
         spec = kinds[table["kind"]]
@@ -113,21 +124,33 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
             raise ValueError(f"{where}: a latent cache holds encoded captions; caption options need the captions "
                              "themselves (a captioned folder or table)")
         settings = {"dataset": spec.name, "data_path": table.get("path"), **{k: table[k] for k in own if k in table}}
+        weight = cfg.prior_loss_weight if table.get("prior") else 1.0
         entries.append(DatasetEntry(table.get("name") or table.get("path") or spec.name, settings, repeats,
-                                    captions))
+                                    captions, weight))
     if len({kinds[e.settings["dataset"]].cache for e in entries}) > 1:
         raise ValueError(f"{path}: latent caches and raw data in one run; cache every dataset (preprocess.py) or none")
     return entries
 
 
+def to_channels(x, channels: int):
+    """Pixels [C, ...] in [-1, 1] with 1 or 3 channels -> `channels`: grey by ITU-R 601 luma, or grey repeated."""
+    if x.shape[0] == channels:
+        return x
+    if channels == 1:
+        return (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2]).unsqueeze(0)
+    return x.expand(channels, *x.shape[1:]).clone()
+
+
 class MixedDataset(Dataset):
     """The datasets of a dataset config as one: item i of the epoch is item j of part k (each part's items
-    `repeats` times in a row), its caption options applied. `buckets` gives every (part, bucket) pair its own
-    bucket id, which the sampler forms global batches within. Other attributes (num_classes, channels,
-    latent_shape, embeddings, ...) are the first part's: a mixture's parts are data of one kind."""
+    `repeats` times in a row), its caption options applied, in the first part's pixel channels (grey digits beside
+    RGB images: luma). `buckets` gives every (part, bucket) pair its own bucket id, which the sampler forms global
+    batches within. Other attributes (num_classes, latent_shape, embeddings, ...) are the first part's: a
+    mixture's parts are data of one kind."""
 
     def __init__(self, parts: list[Dataset], entries: list[DatasetEntry], image_sizes: list[int], seed: int):
         self.parts, self.entries, self.seed, self.epoch = parts, entries, int(seed), 0
+        self.channels = getattr(parts[0], "channels", None)  # pixel data: every part's items get the first's
         lengths = np.array([len(p) * e.repeats for p, e in zip(parts, entries)], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         buckets, ids = [], []
@@ -156,10 +179,20 @@ class MixedDataset(Dataset):
     def __getitem__(self, index: int):
         k, j = self.locate(index)
         item = self.parts[k][j]
+        if self.channels is not None and getattr(self.parts[k], "channels", None) not in (None, self.channels):
+            item = (to_channels(item[0], self.channels), *item[1:])
         options = self.entries[k].captions
         if options and isinstance(item, tuple) and len(item) > 1 and isinstance(item[1], str):
             item = (item[0], options.apply(item[1], mix_seed(self.seed, self.epoch, index)), *item[2:])
         return item
+
+    @property
+    def weighted(self) -> bool:
+        """Whether any dataset's batches weigh other than 1 in the loss."""
+        return any(e.loss_weight != 1.0 for e in self.entries)
+
+    def loss_weight(self, index: int) -> float:
+        return self.entries[self.locate(index)[0]].loss_weight
 
     def caption(self, index: int):
         """Item index's caption with its dataset's trigger (what previews and validation show), None if none."""
@@ -178,13 +211,13 @@ class MixedDataset(Dataset):
     def summary(self, batch: int) -> str:
         """A table for the log: each dataset's items, repeats, share of an epoch and buckets."""
         total = max(len(self), 1)
-        rows = [f"{'dataset':>24} {'kind':>16} {'items':>7} {'repeats':>7} {'share':>6}  buckets (items)"]
+        rows = [f"{'dataset':>24} {'kind':>16} {'items':>7} {'repeats':>7} {'share':>6} {'loss x':>6}  buckets (items)"]
         for k, (part, entry) in enumerate(zip(self.parts, self.entries)):
             ids = self.buckets.ids[self.offsets[k]:self.offsets[k + 1]]
             counts = {str(self.buckets.buckets[b]): int((ids == b).sum()) for b in np.unique(ids[ids >= 0])}
             shown = ", ".join(f"{size} ({n})" for size, n in counts.items())
             rows.append(f"{entry.name[-24:]:>24} {entry.settings['dataset']:>16} {len(part):>7} {entry.repeats:>7} "
-                        f"{len(ids) / total:>6.1%}  {shown}")
+                        f"{len(ids) / total:>6.1%} {entry.loss_weight:>6g}  {shown}")
         rows.append(f"{len(self)} items an epoch, in global batches of {batch} from one dataset bucket each")
         return "\n".join(rows)
 

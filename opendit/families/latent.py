@@ -129,7 +129,13 @@ class LatentImageFamily(ModelFamily):
         step = self.size_step(cfg, encoders)
         check_multiple("--image_size", cfg.image_size, step, "the VAE's downsampling x the patch size")
         area = cfg.bucket_area or cfg.image_size ** 2
-        dataset.use_buckets(parse_buckets(cfg.buckets, area, step, self.bucket_frames(cfg, encoders)))
+        frames = self.bucket_frames(cfg, encoders)
+        assignment = dataset.use_buckets(parse_buckets(cfg.buckets, area, step, frames))
+        if len(assignment.ids) and (assignment.ids < 0).all():
+            raise ValueError(f"--buckets {cfg.buckets}: none of the {len(assignment.ids)} items of {cfg.data_path} "
+                             "fits a bucket (unreadable files" + (f", or clips shorter than every --bucket_frames "
+                             f"{' '.join(map(str, frames))}; list a frame count the clips have" if frames else "")
+                             + ")")
 
     def size_step(self, cfg, encoders) -> int:
         """Pixels a side of a training size must be a multiple of: the VAE's downsampling x the patch size."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Subset
 
 from opendit import config as cfglib
 from opendit.booster import Booster
@@ -103,6 +104,7 @@ class Trainer:
         train_data = self._split_validation()
         self._boost(self._build_model(), train_data)
         self.step = 0
+        self._order = (None, None)
         if self.resume_from is not None:
             self._resume()
         self.saver = RunSaver(cfg.async_ckpt, last=self.resume_from)
@@ -265,7 +267,7 @@ class Trainer:
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
             for batch in self._timed_batches():
-                loss, grad_norm, skipped = self.train_step(batch)
+                loss, grad_norm, skipped = self.train_step(batch, self._batch_loss_weight())
                 self.loader.advance()
                 self.step += 1
                 self._interval.add(loss, skipped)
@@ -343,10 +345,23 @@ class Trainer:
         log.close()
         return losses
 
-    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    def _batch_loss_weight(self) -> float:
+        """The loss weight of the global batch about to be trained: its dataset's (a --dataset_config's prior
+        dataset: --prior_loss_weight), else 1. Every global batch comes from one dataset (opendit.data.mixture)."""
+        if not isinstance(self.dataset, MixedDataset) or not self.dataset.weighted:
+            return 1.0
+        sampler = self.loader.sampler
+        if self._order[0] != sampler.epoch:  # (epoch, its order of global items), made once per epoch
+            self._order = (sampler.epoch, sampler.permutation())
+        index = int(self._order[1][sampler.consumed])  # the batch's first item, in the training data's numbering
+        data = self.loader.dataset
+        return self.dataset.loss_weight(data.indices[index] if isinstance(data, Subset) else index)
+
+    def train_step(self, batch, loss_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm,
         skipped): the loss and norm are device tensors (reading them waits for the step; the norm is None when
-        nothing computed it); skipped: the step was not finite on some rank and changed nothing."""
+        nothing computed it); skipped: the step was not finite on some rank and changed nothing. loss_weight
+        scales the loss (and so the gradients) of this batch."""
         cfg, booster, guard = self.cfg, self.booster, self.guard
         x, cond = self.objective.prepare(batch, self.dist.device)
         if hasattr(self.objective, "begin_step"):
@@ -359,6 +374,8 @@ class Trainer:
                 per_sample, t = self.objective.losses(self.model, xm, cm)
                 terms.append((per_sample.detach(), t))
                 loss = per_sample.mean() / cfg.grad_accum
+                if loss_weight != 1.0:
+                    loss = loss * loss_weight
                 # --fused_backward updates inside backward: only the loss can be checked, before it
                 if self.fused is not None and guard.active and guard.agree(
                         ~torch.isfinite(loss) if guard.checking else None, self.step + 1):
