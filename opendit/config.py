@@ -104,6 +104,8 @@ class TrainData:
                                         "samples such images from the base)", check="nonneg")
     digits: str | None = opt(None, f"the built-in digits datasets (digits, captioned_digits): train on these digits "
                                    f"only, {DIGITS_HELP}; default: all ten")
+    caption_extension: str = opt(".txt", "a captioned folder (--dataset captions): the extension of the caption file "
+                                         "beside each image, e.g. .caption")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "
                                        "of its downsampling (8) x the patch size", check="positive")
     buckets: str | None = opt(None, BUCKETS_HELP)

@@ -193,3 +193,25 @@ def test_prior_images_from_the_base_train_as_a_prior_dataset(tmp_path):
     assert [e.loss_weight for e in trainer.dataset.entries] == [1.0, 0.5] and all(np.isfinite(losses))
     mixed = trainer.dataset  # the RGB prior images in the grey digits' one channel (luma)
     assert trainer.dataset.parts[1].channels == 3 and mixed[len(mixed) - 1][0].shape == mixed[0][0].shape == (1, 8, 8)
+
+
+def test_a_captioned_folder_with_its_own_caption_extension(tmp_path):
+    """kohya's .caption files: a dataset's caption_extension (also --caption_extension) picks them, beside .txt
+    files the run ignores; the trigger goes first."""
+    from PIL import Image
+
+    from tests.test_flux_family import flux_cfg, tiny_text_encoders
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(4):
+        Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(folder / f"{i}.png")
+        (folder / f"{i}.caption").write_text(f"a handwritten {['one', 'two', 'three', 'four'][i]}\n")
+        (folder / f"{i}.txt").write_text("not this one\n")
+    (tmp_path / "data.toml").write_text(f'[[datasets]]\nkind = "captions"\npath = "{folder}"\n'
+                                        f'caption_extension = ".caption"\ntrigger = "sks"\n')
+    trainer, losses = run_trainer(flux_cfg(tmp_path / "out", tiny_text_encoders(tmp_path / "enc"),
+                                           dataset_config=str(tmp_path / "data.toml"), max_steps=1))
+    assert [trainer.dataset.caption(i) for i in range(4)] == [
+        "sks, a handwritten one", "sks, a handwritten two", "sks, a handwritten three", "sks, a handwritten four"]
+    assert trainer.dataset[0][1] == "sks, a handwritten one" and all(np.isfinite(losses))

@@ -14,6 +14,7 @@ from opendit import config as cfglib
 from opendit.lora.lycoris import load_lycoris, merge_deltas
 from tests.test_train import run_trainer
 from tests.test_video_family import cli
+from tests.test_wrapped_lora import diffusers_pipeline, qwen  # noqa: F401  (qwen: the tiny Qwen3 fixture)
 
 
 def test_updates_follow_the_lokr_and_loha_formulas(tmp_path):
@@ -68,16 +69,10 @@ def test_init_lora_merges_a_lokr_file_into_the_frozen_base_and_trains_new_adapte
     path = str(tmp_path / "lokr.safetensors")
     save_file(state, path)
     cfg = types.SimpleNamespace(lora_targets=None, lora_rank=2, lora_alpha=None, lora_dropout=0.0, init_lora=path,
-                                master_weights="fp32")
+                                master_weights="fp32", base_dtype="auto")
     adapt_model(model, dit, cfg, torch.float32)
     torch.testing.assert_close(model.get_submodule(name).weight.detach(), before + load_lycoris(path, [name])[name])
     assert all(not B.any() for m in lora_modules(model).values() for B in m.lora_B)  # the new adapters start at 0
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from opendit.families.wrapped.flux2 import save_tiny_qwen3
-    return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
 def _lokr(out: int, inp: int, seed: int) -> dict:
@@ -88,23 +83,13 @@ def _lokr(out: int, inp: int, seed: int) -> dict:
 
 
 @pytest.mark.slow
-def test_flux2_lokr_files_sample_what_diffusers_samples_with_them(tmp_path, qwen):
-    from opendit.checkpoint import load_weights
-    from opendit.families import family_of
-    from opendit.families.wrapped.glue import PixelSpace
-    from opendit.seeding import sampling_generator
-
+def test_flux2_lokr_files_sample_what_diffusers_samples_with_them(tmp_path, qwen):  # noqa: F811
     model = "flux2-klein-debug"
     common = dict(model=model, dataset="captioned_digits", image_size=8, vae="none", text_encoder=qwen, batch_size=4,
                   log_every=1, num_workers=0)
     run_trainer(cfglib.TrainConfig(**common, max_steps=2, outputs=str(tmp_path / "base"), lr=1e-3, ema_decay=0.9))
     base = next((tmp_path / "base").glob("*/checkpoints/step-000002/ema.safetensors"))
-    family = family_of(model)
-    cfg = family.resolve_config(cfglib.TrainConfig(**common))
-    enc = family.load_encoders(cfg, torch.device("cpu"), training=False)
-    shape = family.latent_shape(cfg, enc)
-    transformer = family.build_model(cfg, shape)
-    transformer.load_state_dict(load_weights(str(base)))
+    pipe, transformer, images = diffusers_pipeline(common, base)
     rows = {n: m.weight.shape for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     inner = rows["transformer_blocks.0.attn.to_q"][0]
     files = {  # LyCORIS' own names (the diffusers modules); ai-toolkit's (BFL's, its fused qkv)
@@ -115,15 +100,6 @@ def test_flux2_lokr_files_sample_what_diffusers_samples_with_them(tmp_path, qwen
             [("double_blocks.0.img_attn.qkv", (3 * inner, rows["transformer_blocks.0.attn.to_q"][1])),
              ("single_blocks.0.linear2", tuple(rows["single_transformer_blocks.0.attn.to_out"]))])
             for k, v in _lokr(*size, i).items()}}
-    pipe = family.glue.pipeline(transformer, PixelSpace(1), None)
-    noise = torch.randn(2, *shape, generator=sampling_generator(0, 0))
-    cond = enc.encode(["a handwritten one"] * 2, "cpu")
-    call = family.glue.pipeline_call(types.SimpleNamespace(cfg=cfg), cfglib.SampleConfig(cfg_scale=1.0), cond, cond)
-
-    def images():
-        found = pipe(latents=family.glue.pipeline_latents(noise), height=8, width=8, num_inference_steps=3,
-                     output_type="np", **call).images
-        return (np.asarray(found) * 255).round().astype(np.uint8)  # as the pipeline's PIL images
     without = images()
     for name, state in files.items():
         path = tmp_path / f"{name}.safetensors"

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from opendit import config as cfglib
+from opendit import inference
 from opendit.families import family_of
 from opendit.families.dit.model import DiT
 from opendit.families.flux.model import image_ids, pack_latents, text_ids, unpack_latents
@@ -222,14 +223,14 @@ def _sample(family_runs, name, out, **flags):
     prompt = {"flux": ["a handwritten one"], "wan": ["the digit 1 moving down"]}.get(name, [])
     guided = {"cfg_scale": 2.0} if name == "flux" else {}  # FLUX's default 1 would leave the batch unguided
     lines = []
-    info = sample.logger.info
-    sample.logger.info = lambda msg, *args: lines.append(msg % args)
+    info = inference.logger.info  # sample.py's run logs through opendit.inference's logger
+    inference.logger.info = lambda msg, *args: lines.append(msg % args)
     try:
         sample.main(cfglib.SampleConfig(ckpt="latest", outputs=str(family_runs / name), num_samples=2, batch_size=2,
                                         num_sampling_steps=4, prompts=prompt, out=str(out), npz=True,
                                         **{**guided, **flags}))
     finally:
-        sample.logger.info = info
+        inference.logger.info = info
     return np.load(out / "samples.npz")["arr_0"], [line for line in lines if "written" in line]
 
 

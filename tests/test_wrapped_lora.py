@@ -26,13 +26,35 @@ def qwen25vl(tmp_path_factory):
     return save_tiny_qwen25vl(tmp_path_factory.mktemp("qwen25vl"))
 
 
-@pytest.mark.parametrize("model", ["flux2-klein-debug", "z-image-debug", "qwen-image-debug"])
-def test_lora_files_load_into_the_pipeline_and_sample_the_same(tmp_path, qwen, qwen25vl, model):
+def diffusers_pipeline(common: dict, base) -> tuple:
+    """(the model's own diffusers pipeline on the `base` weights file, its transformer, images()) for the training
+    settings `common`; images() samples "a handwritten one" twice (8 px, 3 steps, no guidance) from fixed noise, as
+    uint8 arrays like the pipeline's PIL images (sample.py --npz writes the same)."""
     from opendit.checkpoint import load_weights
     from opendit.families import family_of
     from opendit.families.wrapped.glue import PixelSpace
     from opendit.seeding import sampling_generator
 
+    family = family_of(common["model"])
+    cfg = family.resolve_config(cfglib.TrainConfig(**common))
+    enc = family.load_encoders(cfg, torch.device("cpu"), training=False)
+    shape = family.latent_shape(cfg, enc)
+    transformer = family.build_model(cfg, shape)
+    transformer.load_state_dict(load_weights(str(base)))
+    pipe = family.glue.pipeline(transformer, PixelSpace(1), None)
+    noise = torch.randn(2, *shape, generator=sampling_generator(0, 0))
+    cond = enc.encode(["a handwritten one"] * 2, "cpu")
+    call = family.glue.pipeline_call(types.SimpleNamespace(cfg=cfg), cfglib.SampleConfig(cfg_scale=1.0), cond, cond)
+
+    def images():
+        found = pipe(latents=family.glue.pipeline_latents(noise), height=8, width=8, num_inference_steps=3,
+                     output_type="np", **call).images
+        return (np.asarray(found) * 255).round().astype(np.uint8)  # as the pipeline's PIL images
+    return pipe, transformer, images
+
+
+@pytest.mark.parametrize("model", ["flux2-klein-debug", "z-image-debug", "qwen-image-debug"])
+def test_lora_files_load_into_the_pipeline_and_sample_the_same(tmp_path, qwen, qwen25vl, model):
     encoder = qwen25vl if model == "qwen-image-debug" else qwen
     common = dict(model=model, dataset="captioned_digits", image_size=8, vae="none", text_encoder=encoder,
                   batch_size=4, log_every=1, num_workers=0)
@@ -50,21 +72,7 @@ def test_lora_files_load_into_the_pipeline_and_sample_the_same(tmp_path, qwen, q
         "--lora", step / "lora_kohya.safetensors", *sampling, "--out", tmp_path / "kohya")
     np.testing.assert_array_equal(np.load(tmp_path / "kohya" / "samples.npz")["arr_0"], ours)
 
-    family = family_of(model)
-    cfg = family.resolve_config(cfglib.TrainConfig(**common))
-    enc = family.load_encoders(cfg, torch.device("cpu"), training=False)
-    shape = family.latent_shape(cfg, enc)
-    transformer = family.build_model(cfg, shape)
-    transformer.load_state_dict(load_weights(str(base)))
-    pipe = family.glue.pipeline(transformer, PixelSpace(1), None)
-    noise = torch.randn(2, *shape, generator=sampling_generator(0, 0))
-    cond = enc.encode(["a handwritten one"] * 2, "cpu")
-    call = family.glue.pipeline_call(types.SimpleNamespace(cfg=cfg), cfglib.SampleConfig(cfg_scale=1.0), cond, cond)
-
-    def images():
-        found = pipe(latents=family.glue.pipeline_latents(noise), height=8, width=8, num_inference_steps=3,
-                     output_type="np", **call).images
-        return (np.asarray(found) * 255).round().astype(np.uint8)  # as the pipeline's PIL images
+    pipe, _, images = diffusers_pipeline(common, base)
     without = images()
     for file in ("lora.safetensors", "lora_kohya.safetensors"):  # the diffusers / PEFT layout, kohya / ComfyUI's
         pipe.load_lora_weights(str(step / file))

@@ -50,8 +50,8 @@ def _clean(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def scan_caption_folder(root: str) -> tuple[list[tuple[str, str]], int]:
-    """-> ([(image path, caption)] sorted by path, number of images without a .txt)."""
+def scan_caption_folder(root: str, extension: str = ".txt") -> tuple[list[tuple[str, str]], int]:
+    """-> ([(image path, caption)] sorted by path, number of images without a caption file (`extension`))."""
     samples, uncaptioned = [], 0
     walk = sorted(os.walk(root, onerror=_unlistable, followlinks=True), key=lambda entry: entry[0])  # same order
     for dirpath, _, filenames in walk:
@@ -61,7 +61,7 @@ def scan_caption_folder(root: str) -> tuple[list[tuple[str, str]], int]:
             if not fname.lower().endswith(IMAGE_EXTENSIONS) or fname.startswith("."):
                 continue
             path = os.path.join(dirpath, fname)
-            txt = os.path.splitext(path)[0] + ".txt"
+            txt = os.path.splitext(path)[0] + extension
             if not os.path.isfile(txt):
                 uncaptioned += 1
                 continue
@@ -133,7 +133,7 @@ class CaptionedImageDataset(ImageFolderDataset):
     num_classes = 0
 
     def __init__(self, data_path: str, image_size: int, channels: int = 3, random_flip: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, caption_extension: str = ".txt"):
         self.data_path = self.root = os.fspath(data_path)  # (not ImageFolderDataset's __init__: no class folders)
         self.image_size = check_image_size(image_size)
         if channels not in (1, 3):
@@ -142,8 +142,11 @@ class CaptionedImageDataset(ImageFolderDataset):
             raise ValueError(f"seed must be >= 0, got {seed!r}")
         self.channels, self.random_flip, self.seed, self.epoch = channels, bool(random_flip), int(seed), 0
         self.num_uncaptioned = self.num_missing = 0
+        if not caption_extension.startswith(".") or len(caption_extension) < 2:
+            raise ValueError(f"caption_extension {caption_extension!r}: the caption file's extension, with its dot "
+                             "(.txt, .caption)")
         if os.path.isdir(self.data_path):
-            samples, self.num_uncaptioned = scan_caption_folder(self.data_path)
+            samples, self.num_uncaptioned = scan_caption_folder(self.data_path, caption_extension)
         elif os.path.isfile(self.data_path) and self.data_path.lower().endswith((".csv", ".jsonl")):
             listed = read_caption_table(self.data_path)
             samples = [(p, c) for p, c in listed if os.path.isfile(p)]
@@ -156,13 +159,14 @@ class CaptionedImageDataset(ImageFolderDataset):
                                     f"to it ({LAYOUT_HINT}), or use --dataset captioned_digits for the built-in "
                                     f"demo")
         if self.num_uncaptioned:
-            logger.warning("%s: skipping %d image(s) without a same-stem .txt caption", self.data_path,
-                           self.num_uncaptioned)
+            logger.warning("%s: skipping %d image(s) without a same-stem %s caption", self.data_path,
+                           self.num_uncaptioned, caption_extension)
         if self.num_missing:
             logger.warning("%s: skipping %d listed image(s) that do not exist", self.data_path, self.num_missing)
         if not samples:
             raise ValueError(
-                f"no captioned images in {self.data_path!r} ({self.num_uncaptioned} image(s) without a .txt, "
+                f"no captioned images in {self.data_path!r} ({self.num_uncaptioned} image(s) without a "
+                f"{caption_extension}, "
                 f"{self.num_missing} listed file(s) missing); {LAYOUT_HINT}. A folder with a metadata.jsonl / "
                 f"metadata.csv instead of .txt files: pass that file as --data_path")
         self.samples = samples
@@ -235,6 +239,7 @@ CAPTIONS = DatasetSpec("captions", "images with a same-name .txt caption beside 
                                    "JSONL of path,caption",
                        lambda path, size, **kw: CaptionedImageDataset(path, size, **kw),
                        path="folder of images with .txt captions, or a .csv / .jsonl of path,caption",
+                       settings=("caption_extension",),
                        demo="captioned_digits")
 
 

@@ -37,7 +37,8 @@ from opendit.seeding import mix_seed
 logger = logging.getLogger(__name__)
 
 # the run's settings a dataset may set for itself (those of them its config class has)
-DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval")
+DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval",
+                 "caption_extension")
 CAPTION_OPTIONS = {"trigger": str, "shuffle_tags": bool, "keep_tags": int, "caption_dropout": float}
 ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, "prior": bool, **CAPTION_OPTIONS}
 

@@ -19,7 +19,8 @@ class DatasetSpec:
     decides them). path: what --data_path must name ("": built in, no path, e.g. the demo data); demo: the
     built-in dataset of the same kind, named when the path is missing. cache: a latent cache written by
     preprocess.py (its image size comes from the cache; not a source to encode). channels: the data's own (1 for
-    the grey digits), what a pixel-space model sees."""
+    the grey digits), what a pixel-space model sees. settings: names of the run's options its build takes as
+    keyword arguments as they are (e.g. caption_extension)."""
     name: str
     help: str
     build: Callable[..., Dataset]
@@ -27,6 +28,7 @@ class DatasetSpec:
     demo: str = ""
     cache: bool = False
     channels: int = 3
+    settings: tuple[str, ...] = ()
 
     @property
     def built_in(self) -> bool:

@@ -108,7 +108,8 @@ class LatentImageFamily(ModelFamily):
 
     def load_data(self, cfg, encoders):
         spec = self.dataset_spec(cfg)
-        options = self.dataset_options(cfg, encoders, spec)
+        options = {**self.dataset_options(cfg, encoders, spec),
+                   **{name: getattr(cfg, name) for name in spec.settings if hasattr(cfg, name)}}
         if cfg.digits is not None:
             if spec not in (DIGITS, CAPTIONED_DIGITS):
                 raise ValueError(f"--digits {cfg.digits}: only the built-in digits and captioned_digits datasets "

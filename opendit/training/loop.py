@@ -267,7 +267,7 @@ class Trainer:
         while self.step < self.total_steps:
             self.loader.set_epoch(self.loader.sampler.epoch)
             for batch in self._timed_batches():
-                loss, grad_norm, skipped = self.train_step(batch, self._batch_loss_weight())
+                loss, grad_norm, skipped = self.train_step(batch)
                 self.loader.advance()
                 self.step += 1
                 self._interval.add(loss, skipped)
@@ -357,12 +357,13 @@ class Trainer:
         data = self.loader.dataset
         return self.dataset.loss_weight(data.indices[index] if isinstance(data, Subset) else index)
 
-    def train_step(self, batch, loss_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """One optimizer step over a per-rank batch split into grad_accum micro-batches -> (loss, grad norm,
         skipped): the loss and norm are device tensors (reading them waits for the step; the norm is None when
-        nothing computed it); skipped: the step was not finite on some rank and changed nothing. loss_weight
-        scales the loss (and so the gradients) of this batch."""
+        nothing computed it); skipped: the step was not finite on some rank and changed nothing. The loss (and so
+        the gradients) is scaled by the batch's dataset's loss weight (--prior_loss_weight)."""
         cfg, booster, guard = self.cfg, self.booster, self.guard
+        loss_weight = self._batch_loss_weight()
         x, cond = self.objective.prepare(batch, self.dist.device)
         if hasattr(self.objective, "begin_step"):
             self.objective.begin_step(self.step + 1)
