@@ -120,7 +120,7 @@ def parse_config(cls, description: str | None, argv=None):
     if path is not None:
         try:
             parser.set_defaults(**config_values(cls, path))
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, OSError) as e:  # a bad file, or none (a folder, no permission)
             fail(message(e), hint=False)
     return cfglib.from_args(cls, parser.parse_args(argv))
 

@@ -73,7 +73,7 @@ def nearest(name: str, names) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _type_name(hint) -> str:
+def type_name(hint) -> str:
     return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
 
 
@@ -102,7 +102,7 @@ def _checked(f, hint, value, where: str):
         except ValueError:
             pass
     if not fits(value, hint):
-        raise ValueError(f"{where}: {value!r} is a {type(value).__name__}; {f.name} must be of type {_type_name(hint)}")
+        raise ValueError(f"{where}: {value!r} is a {type(value).__name__}; {f.name} must be of type {type_name(hint)}")
     choices = choices_of(f)
     if choices and value is not None:
         for v in value if isinstance(value, list) else [value]:

@@ -99,10 +99,15 @@ def test_a_bad_file_is_one_line_naming_file_key_and_fix(tmp_path, capsys, name, 
     assert (tmp_path / name).read_text() == text  # the user's file is left as it was
 
 
-def test_a_missing_config_file_is_named(tmp_path, capsys):
+def test_a_missing_config_file_or_a_folder_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _parse(cfglib.SampleConfig, ["--config", str(tmp_path / "nope.toml")])
     assert "nope.toml: no such config file" in capsys.readouterr().err
+    (tmp_path / "run.toml").mkdir()
+    with pytest.raises(SystemExit):
+        _parse(cfglib.TrainConfig, ["--config", str(tmp_path / "run.toml")])
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "run.toml" in err and err.count("\n") == 1
 
 
 def test_the_docs_example_trains_through_train_py(tmp_path):

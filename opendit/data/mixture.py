@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from opendit.config_files import fits, nearest, read_file
+from opendit.config_files import fits, nearest, read_file, type_name
 from opendit.options import check_value
 from opendit.data.buckets import Bucket, BucketAssignment, bucket_assignment
 from opendit.seeding import mix_seed
@@ -105,7 +105,7 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
                 except ValueError as e:
                     raise ValueError(f"{where}: {e}") from None
             if not fits(value, kind):
-                raise ValueError(f"{where}: {key} = {value!r} must be of type {getattr(kind, '__name__', kind)}")
+                raise ValueError(f"{where}: {key} = {value!r} must be of type {type_name(kind)}")
         if table.get("kind") not in kinds:
             raise ValueError(f"{where}: kind = {table.get('kind')!r}; {cfg.model} trains on: {', '.join(kinds)}")
         spec = kinds[table["kind"]]
