@@ -22,7 +22,6 @@ epoch) (opendit/data/sampler.py). So the mixture is a pure function of seed and 
 also at another world size. The caption options are drawn per (seed, epoch, item), the same in every process.
 """
 import dataclasses
-import logging
 import typing
 from pathlib import Path
 
@@ -30,11 +29,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from opendit.config_files import fits, nearest, read_file, type_name
-from opendit.options import check_value
 from opendit.data.buckets import Bucket, BucketAssignment, bucket_assignment
+from opendit.options import check_value
 from opendit.seeding import mix_seed
-
-logger = logging.getLogger(__name__)
 
 # the run's settings a dataset may set for itself (those of them its config class has)
 DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval",
@@ -223,18 +220,17 @@ class MixedDataset(Dataset):
         return "\n".join(rows)
 
 
-def first_dataset(cfg, family):
-    """cfg with --dataset and --data_path of its --dataset_config's first dataset: what the family resolves the
-    run's settings from (a latent cache's image size and VAE) before the data is loaded."""
-    first = read_dataset_config(cfg.dataset_config, cfg, family.datasets)[0].settings
+def first_dataset(cfg, entries: list[DatasetEntry]):
+    """cfg with --dataset and --data_path of the first dataset: what the family resolves the run's settings from
+    (a latent cache's image size and VAE) before the data is loaded."""
+    first = entries[0].settings
     return dataclasses.replace(cfg, dataset=first["dataset"], data_path=first["data_path"])
 
 
-def load_mixture(cfg, family, encoders) -> tuple[MixedDataset, object]:
-    """The datasets of cfg.dataset_config, each loaded by the family, mixed -> (the mixture, the run's cfg with
-    the settings the data decides). Every dataset must decide them alike."""
+def load_mixture(cfg, entries: list[DatasetEntry], family, encoders) -> tuple[MixedDataset, object]:
+    """The datasets `entries` (of cfg.dataset_config), each loaded by the family, mixed -> (the mixture, the run's
+    cfg with the settings the data decides). Every dataset must decide them alike."""
     path = cfg.dataset_config
-    entries = read_dataset_config(path, cfg, family.datasets)
     parts, decided, sizes = [], None, []
     for entry in entries:
         part, settled = family.load_data(dataclasses.replace(cfg, **entry.settings), encoders)

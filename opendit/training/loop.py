@@ -17,7 +17,7 @@ from opendit.checkpoint import (find_resume_checkpoint, latest_run_checkpoint, l
                                 new_run_dir, resolve_checkpoint)
 from opendit.data import count_skipped
 from opendit.data.buckets import bucket_summary
-from opendit.data.mixture import MixedDataset, first_dataset, load_mixture
+from opendit.data.mixture import MixedDataset, first_dataset, load_mixture, read_dataset_config
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
 from opendit.families import check_model_contract, family_of
@@ -79,8 +79,10 @@ class Trainer:
         cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
         check_lora_flags(cfg)
         self.family = family_of(cfg.model)
-        if cfg.dataset_config:
-            cfg = first_dataset(cfg, self.family)
+        # a --dataset_config, read and checked once, before anything is built
+        entries = read_dataset_config(cfg.dataset_config, cfg, self.family.datasets) if cfg.dataset_config else None
+        if entries:
+            cfg = first_dataset(cfg, entries)
         cfg = self.family.resolve_config(cfg)
         if cfg.num_workers is None:
             cfg = dataclasses.replace(cfg, num_workers=default_num_workers())
@@ -98,7 +100,7 @@ class Trainer:
                 cfg.init_weights)} if self.dist.rank == 0 else None)
         self.encoders = self.family.load_encoders(cfg, self.dist.device, training=True)
         # settings the data decides
-        self.dataset, self.cfg = load_mixture(cfg, self.family, self.encoders) if cfg.dataset_config else \
+        self.dataset, self.cfg = load_mixture(cfg, entries, self.family, self.encoders) if entries else \
             self.family.load_data(cfg, self.encoders)
         self.objective = self.family.objective(self.cfg, self.encoders)
         train_data = self._split_validation()
