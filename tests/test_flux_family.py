@@ -9,6 +9,7 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
+from tests.sample_each import sample_here
 from tests.test_train import run_trainer, save_tiny_vae
 from tests.test_video_family import cli, losses_of
 
@@ -157,7 +158,7 @@ def test_two_process_sampling_writes_what_one_process_does(tmp_path, encoders):
     run_trainer(flux_cfg(tmp_path, encoders, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a one", "a two", "a three", "--num_samples", "5",
               "--batch_size", "2", "--num_sampling_steps", "3", "--npz"]
-    cli("sample.py", *common, "--out", tmp_path / "one")
+    sample_here(*common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--out", tmp_path / "two", nproc=2)
     one, two = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "two"))
     np.testing.assert_array_equal(one, two)

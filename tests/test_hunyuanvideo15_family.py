@@ -11,6 +11,7 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
+from tests.sample_each import sample_each, sample_here
 from tests.test_train import run_trainer
 from tests.test_video_family import cli
 
@@ -56,9 +57,9 @@ def test_sequence_and_cfg_parallel_sampling_write_what_one_process_does(tmp_path
     run_trainer(hv_cfg(tmp_path, encoders_folder, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left", "the digit 3",
               "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz"]
-    cli("sample.py", *common, "--out", tmp_path / "one")
-    cli("sample.py", *common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2", nproc=2)
-    cli("sample.py", *common, "--cfg_parallel", "--out", tmp_path / "cfg2", nproc=2)
+    sample_here(*common, "--out", tmp_path / "one")
+    sample_each([[*common, "--sequence_parallel_size", "2", "--out", tmp_path / "sp2"],
+                 [*common, "--cfg_parallel", "--out", tmp_path / "cfg2"]], nproc=2)  # one torchrun launch
     one, sp2, cfg2 = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "sp2", "cfg2"))
     np.testing.assert_array_equal(one, sp2)
     np.testing.assert_array_equal(one, cfg2)
