@@ -16,6 +16,7 @@ import torch
 from opendit import config as cfglib
 from opendit.parallel import validate_cfg_parallel
 from tests.distributed import run_distributed
+from tests.sample_each import sample_each, sample_here
 from tests.test_flux_family import flux_cfg, tiny_text_encoders
 from tests.test_train import ROOT, run_trainer, tiny_cfg
 
@@ -133,18 +134,18 @@ def _sample(args, nproc=1):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _samples_of(common, out, nproc=1, flags=()):
-    done = _sample(["sample.py", *common, *flags, "--out", out], nproc)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return np.load(out / "samples.npz")["arr_0"].astype(int)
-
-
 def _equal_to_one_process(tmp_path, common, cases):
     """Each (nproc, flags) case's samples.npz against the 1-process run's: equal up to 1 level of 255 (a half
-    batch rounds its matmuls differently from the whole one; a level flips where a value lies near a step)."""
-    one = _samples_of(common, tmp_path / "one")
+    batch rounds its matmuls differently from the whole one; a level flips where a value lies near a step). The
+    1-process run samples in this process; the cases of one process count share one torchrun launch."""
+    sample_here(*common, "--out", tmp_path / "one")
+    one = np.load(tmp_path / "one" / "samples.npz")["arr_0"].astype(int)
+    out = {(nproc, tuple(flags)): tmp_path / f"{nproc}{''.join(flags)}" for nproc, flags in cases}
+    for n in dict.fromkeys(nproc for nproc, _ in cases):
+        sample_each([[*common, *flags, "--out", out[nproc, tuple(flags)]] for nproc, flags in cases if nproc == n],
+                    nproc=n)
     for nproc, flags in cases:
-        got = _samples_of(common, tmp_path / f"{nproc}{''.join(flags)}", nproc, flags)
+        got = np.load(out[nproc, tuple(flags)] / "samples.npz")["arr_0"].astype(int)
         assert got.shape == one.shape
         assert np.abs(got - one).max() <= 1, f"{nproc} processes {flags}: differs by {np.abs(got - one).max()}"
 
