@@ -16,7 +16,7 @@ import torch
 from opendit import config as cfglib
 from opendit.parallel import validate_cfg_parallel
 from tests.distributed import run_distributed
-from tests.sample_each import sample_each, sample_here
+from tests.run_each import sample_each, sample_here
 from tests.test_flux_family import flux_cfg, tiny_text_encoders
 from tests.test_train import ROOT, run_trainer, tiny_cfg
 

@@ -12,7 +12,7 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
-from tests.sample_each import sample_each, sample_here
+from tests.run_each import sample_each, sample_here
 from tests.test_train import run_trainer
 from tests.test_video_family import cli
 

@@ -155,11 +155,27 @@ def _logged_losses(outputs):
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
+SP_PLUGINS = ["ddp", "zero2"]
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory):
+    """train.py with each SP_PLUGINS plugin in one process (in the test's) and at 2 SP ranks (all plugins in one
+    torchrun launch) -> the outputs root holding <plugin>/one and <plugin>/sp."""
+    from tests.run_each import run_each, run_here
+
+    root = tmp_path_factory.mktemp("sp_train")
+    args = {p: ["--model", "DiT-debug", "--image_size", "8", "--batch_size", "8", "--max_steps", "3", "--log_every",
+                "1", "--num_workers", "0", "--plugin", p] for p in SP_PLUGINS}
+    for p in SP_PLUGINS:
+        run_here("train.py", *args[p], "--outputs", root / p / "one")
+    run_each("train.py", [[*args[p], "--outputs", root / p / "sp", "--sequence_parallel_size", "2"]
+                          for p in SP_PLUGINS], nproc=2)
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", ["ddp", "zero2"])
-def test_torchrun_sequence_parallel_training_equals_one_process(tmp_path, plugin):
-    args = ["train.py", "--model", "DiT-debug", "--image_size", "8", "--batch_size", "8", "--max_steps", "3",
-            "--log_every", "1", "--num_workers", "0", "--plugin", plugin]
-    _run([*args, "--outputs", str(tmp_path / "one")])
-    _run([*args, "--outputs", str(tmp_path / "sp"), "--sequence_parallel_size", "2"], nproc=2)
-    np.testing.assert_allclose(_logged_losses(tmp_path / "sp"), _logged_losses(tmp_path / "one"), rtol=1e-5)
+@pytest.mark.parametrize("plugin", SP_PLUGINS)
+def test_torchrun_sequence_parallel_training_equals_one_process(sp_runs, plugin):
+    np.testing.assert_allclose(_logged_losses(sp_runs / plugin / "sp"), _logged_losses(sp_runs / plugin / "one"),
+                               rtol=1e-5)

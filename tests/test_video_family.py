@@ -12,6 +12,7 @@ import torch
 
 from opendit import config as cfglib
 from opendit.data import write_mp4
+from tests.run_each import run_each, run_here
 from tests.test_train import ROOT, run_trainer, save_tiny_vae
 
 av = pytest.importorskip("av")
@@ -115,24 +116,37 @@ def test_two_process_video_sampling_writes_what_one_process_does(tmp_path):
     run_trainer(video_cfg(tmp_path, max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--num_samples", "5", "--batch_size", "2",
               "--num_sampling_steps", "3", "--npz"]
-    cli("sample.py", *common, "--out", tmp_path / "one")
+    run_here("sample.py", *common, "--out", tmp_path / "one")
     cli("sample.py", *common, "--out", tmp_path / "two", nproc=2)
     one, two = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("one", "two"))
     assert one.shape == (5, 4, 8, 8, 3) and np.array_equal(one, two)
 
 
+SP_MODELS = ["Latte-debug", "VDiT-debug"]
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory):
+    """Each SP_MODELS model trained by train.py in one process (in the test's) and at 2 SP ranks (both models in
+    one torchrun launch) -> the outputs root holding <model>/one and <model>/sp."""
+    root = tmp_path_factory.mktemp("video_sp")
+    args = {m: ["--model", m, "--dataset", "moving_digits", "--image_size", "8", "--num_frames", "3", "--batch_size",
+                "4", "--max_steps", "3", "--log_every", "1", "--num_workers", "0"] for m in SP_MODELS}
+    for m in SP_MODELS:
+        run_here("train.py", *args[m], "--outputs", root / m / "one")
+    run_each("train.py", [[*args[m], "--outputs", root / m / "sp", "--sequence_parallel_size", "2"]
+                          for m in SP_MODELS], nproc=2)
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["Latte-debug", "VDiT-debug"])
-def test_torchrun_video_sequence_parallel_training_equals_one_process(tmp_path, model):
+@pytest.mark.parametrize("model", SP_MODELS)
+def test_torchrun_video_sequence_parallel_training_equals_one_process(sp_runs, model):
     """Latte through DSP (frames split, one all-to-all per temporal block), VDiT through FastSeq: 2 SP ranks
     train what one process does."""
-    args = ["--model", model, "--dataset", "moving_digits", "--image_size", "8", "--num_frames", "3",
-            "--batch_size", "4", "--max_steps", "3", "--log_every", "1", "--num_workers", "0"]
-    cli("train.py", *args, "--outputs", tmp_path / "one")
-    cli("train.py", *args, "--outputs", tmp_path / "sp", "--sequence_parallel_size", "2", nproc=2)
     name = model.replace("/", "-")
-    np.testing.assert_allclose(losses_of(tmp_path / "sp" / f"000-{name}"), losses_of(tmp_path / "one" / f"000-{name}"),
-                               rtol=1e-5)
+    np.testing.assert_allclose(losses_of(sp_runs / model / "sp" / f"000-{name}"),
+                               losses_of(sp_runs / model / "one" / f"000-{name}"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_classes", [5, 0])
