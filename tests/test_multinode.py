@@ -1,6 +1,7 @@
 """Two torchrun agents on this machine as two nodes (c10d rendezvous on 127.0.0.1, the user's plain environment):
 training equals one agent of the same world size; a worker killed on one node restarts every node and resumes;
 a lost node is one clear error; SIGTERM to the agents saves and exits 0. See docs/multinode.md."""
+import json
 import signal
 import time
 from pathlib import Path
@@ -19,17 +20,38 @@ LAYOUTS = {  # name: (workers per agent, flags)
 }
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Each LAYOUTS layout trained 4 steps under two agents (<root>/<layout>/two) and under one agent of the same
+    world size (<root>/<layout>/one); the layouts of one worker count share their launches (tests/run_each.py runs
+    train.py for each command line in turn) -> (root, {nproc: (the two agents' exit codes, their text, the one
+    agent's exit code, its text)})."""
+    root = tmp_path_factory.mktemp("layouts")
+    done = {}
+    for nproc in dict.fromkeys(n for n, _ in LAYOUTS.values()):
+        names = [name for name, (n, _) in LAYOUTS.items() if n == nproc]
+
+        def launch(where, names=names):
+            runs = [[*DEBUG_ARGS, "--max_steps", "4", *LAYOUTS[name][1], "--outputs", str(root / name / where)]
+                    for name in names]
+            return ["tests/run_each.py", "train.py", json.dumps(runs)]
+
+        with Agents(launch("two"), root / f"logs-{nproc}", nproc=nproc) as agents:
+            codes = agents.wait()
+        done[nproc] = (codes, agents.text(), *one_agent(launch("one"), root / f"logs-{nproc}", nproc=2 * nproc))
+    return root, done
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_agents_train_like_one_agent(tmp_path, layout):
-    nproc, flags = LAYOUTS[layout]
-    args = ["train.py", *DEBUG_ARGS, "--max_steps", "4", *flags]
-    with Agents([*args, "--outputs", str(tmp_path / "two")], tmp_path / "logs", nproc=nproc) as agents:
-        assert agents.wait() == [0, 0], agents.text()[-4000:]
-    code, text = one_agent([*args, "--outputs", str(tmp_path / "one")], tmp_path / "logs", nproc=2 * nproc)
-    assert code == 0, text[-4000:]
-    assert losses(tmp_path / "two") == losses(tmp_path / "one")  # bitwise: the floats as logged
-    assert len(losses(tmp_path / "one")) == 4
-    assert checkpoints(tmp_path / "two") == checkpoints(tmp_path / "one")
+def test_two_agents_train_like_one_agent(layout_runs, layout):
+    root, done = layout_runs
+    codes, text, code, one_text = done[LAYOUTS[layout][0]]
+    assert codes == [0, 0], text[-4000:]
+    assert code == 0, one_text[-4000:]
+    two, one = root / layout / "two", root / layout / "one"
+    assert losses(two) == losses(one)  # bitwise: the floats as logged
+    assert len(losses(one)) == 4
+    assert checkpoints(two) == checkpoints(one)
 
 
 def test_a_worker_killed_on_one_node_restarts_every_node_and_resumes(tmp_path):
