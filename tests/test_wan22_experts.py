@@ -20,6 +20,7 @@ from opendit.families.wan.family import Experts, WanFamily, expert_folders
 from opendit.families.wan.model import WAN22_CONFIGS, WanModel
 from opendit.families.wan.objective import WanEncoders
 from opendit.diffusion.flow import shift_times
+from tests.run_each import run_here
 from tests.test_train import ROOT
 from tests.test_video_family import cli
 
@@ -171,15 +172,16 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     common = ["--umt5", umt5, "--vae", vae, "--model", MODEL, "--prompt", "the digit 3", "--image",
               tmp_path / "first.png", "--image_size", "32", "--num_frames", "5", "--num_sampling_steps", "4", "--npz"]
 
-    def sample(name, *args):
-        out = cli("sample.py", *common, *args, "--out", tmp_path / name)
-        return np.load(tmp_path / name / "samples.npz")["arr_0"], out.stderr
+    def sample(name, *args, here=False):  # here: in this process (a run whose log is not read)
+        out = run_here("sample.py", *common, *args, "--out", tmp_path / name) if here else \
+            cli("sample.py", *common, *args, "--out", tmp_path / name)
+        return np.load(tmp_path / name / "samples.npz")["arr_0"], out and out.stderr
 
     both, log = sample("both", "--ckpt", folder)
     assert "holds the low_noise model too" in log
-    named, _ = sample("named", "--ckpt", folder / "high_noise_model")  # its sibling is the low-noise expert
+    named, _ = sample("named", "--ckpt", folder / "high_noise_model", here=True)  # its sibling: the low expert
     high_only, _ = sample("high", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt",
-                          folder / "high_noise_model")
+                          folder / "high_noise_model", here=True)
     assert np.array_equal(both, named) and not np.array_equal(both, high_only)
     # the low expert's LoRA run as the companion: its base (the low expert) and its adapters
     lora, log = sample("lora", "--ckpt", folder / "high_noise_model", "--low_noise_ckpt",
@@ -190,7 +192,7 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     assert out.returncode != 0 and "--low_noise_ckpt the low-noise one's" in out.stderr.splitlines()[-1]
 
     # --expert both from the folder: its one step trained one expert and left the other as the folder has it
-    cli("train.py", "--model", MODEL, "--init_weights", folder, "--expert", "both", "--umt5", umt5, "--vae", vae,
+    run_here("train.py", "--model", MODEL, "--init_weights", folder, "--expert", "both", "--umt5", umt5, "--vae", vae,
         "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--batch_size", "2", "--max_steps",
         "1", "--lr", "0.05", "--ema_decay", "0", "--num_workers", "0", "--outputs", tmp_path / "both")
     step = next((tmp_path / "both").glob("*/checkpoints/step-000001"))
@@ -198,7 +200,7 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     kept = [side for side, seed in (("high", 1), ("low", 2)) if all(
         torch.equal(trained[f"{side}.{k}"], v) for k, v in expert_state(seed).items())]
     assert len(kept) == 1
-    pair, _ = sample("pair", "--ckpt", step)  # both experts from the run's one checkpoint
+    pair, _ = sample("pair", "--ckpt", step, here=True)  # both experts from the run's one checkpoint
     assert pair.shape == both.shape and not np.array_equal(pair, both)
 
 
