@@ -191,14 +191,14 @@ def test_benchmark_small_runs(capsys, one_thread):
 def test_sample_py_parallel_decode_writes_what_each_rank_decoding_all_does(tmp_path):
     """Two sequence-parallel ranks share one Wan clip; --parallel_decode splits its 9 tiles between them."""
     from opendit.families.wan.vae import save_tiny_wan_vae
-    from tests.test_video_family import cli
+    from tests.run_each import sample_each
     from tests.test_wan_family import tiny_wan_pipeline
 
     pipe, _ = tiny_wan_pipeline(tmp_path / "pipe", tmp_path / "umt5", save_tiny_wan_vae(tmp_path / "vae"))
     common = ["--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "64",
               "--width", "64", "--num_sampling_steps", "2", "--npz", "--sequence_parallel_size", "2",
               "--vae_tile_size", "32"]
-    cli("sample.py", *common, "--out", tmp_path / "all", nproc=2)
-    cli("sample.py", *common, "--parallel_decode", "--out", tmp_path / "split", nproc=2)
+    sample_each([[*common, "--out", tmp_path / "all"], [*common, "--parallel_decode", "--out", tmp_path / "split"]],
+                nproc=2)  # one torchrun launch
     every, split = (np.load(tmp_path / d / "samples.npz")["arr_0"] for d in ("all", "split"))
     assert split.shape == (1, 5, 64, 64, 3) and np.array_equal(every, split)
