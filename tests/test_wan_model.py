@@ -166,6 +166,22 @@ def test_kernels_equal_plain_path(one_thread):
             torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=lambda m: f"{modulate, layernorm} {n}: {m}")
 
 
+@torch.no_grad()
+def test_blocks_compiled_under_bf16_autocast_equal_eager():
+    """The tokens leave the patch embedding contiguous: on a transposed residual stream inductor (torch 2.13, CPU)
+    fuses the bf16 matmul's residual add into the following LayerNorm wrongly and returns NaN."""
+    from opendit.training.fast_step import compile_model
+    g = torch.Generator().manual_seed(4)
+    x, t, context = torch.randn(2, 4, 2, 8, 8, generator=g), torch.tensor([5, 600]), torch.randn(2, 8, 12, generator=g)
+    model = tiny_wan(dim=256, num_heads=2).eval()  # 32 tokens of 256: inductor vectorises both
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x, t, context)
+        compile_model(model, "blocks")
+        compiled = model(x, t, context)
+    assert torch.isfinite(compiled).all()
+    torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
 # --------------------------------------------------------------------------------------------- weights
 @torch.no_grad()
 def test_single_and_sharded_safetensors_load_strictly_into_a_meta_model(tmp_path):

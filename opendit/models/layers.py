@@ -17,7 +17,8 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
 
     def forward(self, x):
-        # contiguous: every block then sees the same strides, so a per-block compile does not recompile block 0
+        # contiguous: every block then sees the same strides, so a per-block compile does not recompile block 0, and
+        # inductor (torch 2.13, CPU) fuses a transposed residual stream's bf16 add + LayerNorm wrongly (NaN)
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 

@@ -375,7 +375,7 @@ class WanModel(nn.Module):
             raise ValueError(f"latents of shape {tuple(x.shape[1:])} do not fit the model: expected [in_dim="
                              f"{self.in_dim}, F, H, W] with F, H, W multiples of patch_size {self.patch_size}")
         x = self.patch_embedding(x.to(self.patch_embedding.weight.dtype))
-        return x.flatten(2).transpose(1, 2), tuple(x.shape[2:])
+        return x.flatten(2).transpose(1, 2).contiguous(), tuple(x.shape[2:])  # contiguous: see PatchEmbed
 
     def _transformer(self, x, t, context, freqs, mask=None):
         """Tokens x [B, L, dim], t [B] (or per token [B, L]), context [B, text_len, text_dim], freqs [L, Dh/2] or

@@ -1,6 +1,6 @@
 """FLUX.1 through diffusers' own FluxTransformer2DModel and FluxPipeline: the same weights as opendit's native FLUX
 family (opendit.families.flux; FLUX_WEIGHTS converts them both ways), trained by the diffusers kind, so the two can be
-compared side by side (tests/test_flux1_wrapped.py: equal losses; benchmarks/native_vs_wrapped.py: step times).
+compared side by side (tests/test_flux1_wrapped.py: equal losses; benchmarks/vs_diffusers.py: step times).
 
 Prompts are the pipeline's own encode_prompt: CLIP's pooled embedding and T5's tokens, padded to
 max_sequence_length. Images go through FLUX.1's AutoencoderKL, (z - shift) * scale, patched 2x2 and packed into
