@@ -3,10 +3,11 @@
 # (PYTHONPATH=.). One device command may run 600 s, so a stage starts only when its timeout still fits in
 # TOTAL_S (default 570 s); the stages that did not fit are printed with the command that runs them next:
 #   OUT=$OUT bash benchmarks/gpu_check.sh                 # part 1 and as much of part 2 as fits (~9.5 min)
-#   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~6 min), in a second call
+#   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~10 min), in a second call
 # Part 1 (~7.5 min on an H200, 2026-12-04): DiT training and sampling throughput, kernels, optimizer offload,
 # the gpu-marked tests, the FID Inception, train.py / sample.py smoke runs (image and video), FLUX cached
-# sampling, the lean Wan2.1-1.3B step, FLUX.2 [klein] and Z-Image LoRA steps. Part 2 (~6 min): flux-dev (12B) rows, whose set-up reads a 24 GB base of
+# sampling, the lean Wan2.1-1.3B step, FLUX.2 [klein] and Z-Image LoRA steps. Part 2 (~10 min): opendit vs
+# diffusers on the same weights (at most 240 s), then flux-dev (12B) rows, whose set-up reads a 24 GB base of
 # zeros on the host: the LoRA step, the lean full fine-tune under 16 GiB, the lean Wan2.2-TI2V-5B step, the
 # planner's predicted vs measured peak.
 # Each stage's output lands under $WORK (default /tmp/gpu_check); $OUT/gpu_check.tgz holds all of it and is
@@ -105,6 +106,13 @@ stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B, Z-Image and Qwen-Image
   && { python3 -c "import diffusers" 2>/dev/null || echo "no diffusers here: carry its wheel in .whl/ (benchmarks/README.md)"; } \
   && for m in flux2-klein-4b z-image qwen-image; do timeout $((S / 3)) python3 benchmarks/wrapped_step.py --device cuda \
   --model "$m" --image_size 1024 --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3; done
+
+S=${VS_DIFFUSERS_S:-240}
+stage 2 "$S" "opendit vs diffusers on the same weights (DiT-XL, Latte-XL, FLUX.1 3072 wide, Wan2.1-1.3B wide; bf16 autocast; training and CFG sampling steps, eager then compiled; then LoRA 16 against PEFT)" \
+  && { timeout $((S * 2 / 3)) python3 benchmarks/vs_diffusers.py --device cuda --size gpu --dtype bf16 --repeats 5 \
+  2>&1 | quiet | tee "$WORK/vs_diffusers.md" | grep "^|\|FAIL\|Error"
+  timeout $((S / 3)) python3 benchmarks/vs_diffusers.py --device cuda --size gpu --dtype bf16 --repeats 5 --lora 16 \
+  2>&1 | quiet | tee "$WORK/vs_diffusers_lora.md" | grep "^|\|FAIL\|Error"; }
 
 # part 2: flux-dev (12B). The LoRA step writes the zero base (11 s) that the lean step and the planner reuse.
 BASE=/dev/shm/lora_step/base.safetensors

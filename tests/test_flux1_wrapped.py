@@ -1,9 +1,8 @@
 """FLUX.1 through diffusers' own FluxTransformer2DModel (the diffusers kind, opendit.families.wrapped.flux1) beside
 opendit's native FLUX family: the same weights (converted by FLUX_WEIGHTS) and the same batch give the same prompt
 conditions (the pipeline's encode_prompt against opendit's T5 / CLIP encoders) and equal losses; it trains, resumes
-and samples from the command line; benchmarks/native_vs_wrapped.py (the step-time ratio) runs."""
+and samples from the command line; benchmarks/vs_diffusers.py (opendit against diffusers) runs."""
 import os
-import types
 
 import numpy as np
 import pytest
@@ -74,14 +73,29 @@ def test_trains_resumes_and_samples_from_the_command_line(tmp_path, encoders):
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
-def test_the_native_vs_wrapped_benchmark_runs(family):
-    from benchmarks.native_vs_wrapped import compare
+@pytest.mark.parametrize("extra", [[], ["--lora", "4"]], ids=["models", "lora"])
+def test_the_vs_diffusers_benchmark_runs_and_every_row_computes_what_diffusers_does(capsys, extra):
+    """Tiny DiT, Latte, FLUX.1 and Wan2.1 (LoRA: FLUX.1 and Wan2.1 against PEFT) in fp32 and bf16: every row's
+    equality check passes and the table has a row per family, step and dtype."""
+    from benchmarks.vs_diffusers import main
 
-    found = compare(types.SimpleNamespace(family=family, width=64, depth=1, single=1, latent=8, txt=8, batch=2,
-                                          repeats=2))
-    assert found["loss_native"] == pytest.approx(found["loss_wrapped"], rel=1e-5)
-    assert found["native_s"] > 0 and found["wrapped_s"] > 0
+    assert main(["--size", "tiny", "--mode", "eager", "--repeats", "1", "--batch", "1", *extra]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "eager" in line]
+    assert len(rows) == (4 if extra else 16) and not any("FAIL" in r for r in rows)
+
+
+def test_the_benchmark_check_fails_another_function_and_a_nan():
+    from benchmarks.vs_diffusers import check
+
+    out = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    rounded = out * (1 + 1e-6)
+    for results, dtype, fp32, passes in (([out, rounded], "fp32", None, True), ([out, out * 1.01], "fp32", None, False),
+                                         ([out.bfloat16().float(), out], "bf16", out, True),
+                                         ([out, out.roll(1)], "bf16", out, False),
+                                         ([out, torch.full_like(out, float("nan"))], "bf16", out, False),
+                                         ([out, torch.full_like(out, float("nan"))], "bf16", None, False)):
+        distances, tolerance = check(results, dtype, fp32)
+        assert all(d <= tolerance for d in distances) == passes, (dtype, distances)
 
 
 def test_a_folder_without_both_encoders_is_named_with_the_layout_it_needs(encoders):
