@@ -49,10 +49,18 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
                 kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None,
                                     **kw)
+            wait_for_peers()
         else:
             dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1, device_id=device if cuda else None, **kw)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def wait_for_peers() -> None:
+    """Return once every rank of the job has got here; call it after creating process groups. A rank that went on
+    and stopped on an error only it sees (rank 0 resolving --load) would take its store away from a peer still
+    reading it to connect the same groups, and that peer would log a C++ stack trace of the lost store."""
+    dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, the backend that reads the store to connect
 
 
 def _restart_safe_store(timeout: datetime.timedelta):

@@ -14,6 +14,8 @@ read the same batch).
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from opendit.distributed import wait_for_peers
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
 
 
@@ -26,7 +28,9 @@ def mesh_shape(plugin: str, world_size: int, dp_replicate: int = 1, sp_size: int
 
 
 def build_mesh(device: torch.device, shape: tuple[int, int, int]) -> DeviceMesh:
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    wait_for_peers()
+    return mesh
 
 
 def shard_mesh(mesh: DeviceMesh, replicate: bool) -> DeviceMesh:
