@@ -34,14 +34,35 @@ RECORD = os.environ.get("OPENDIT_RECORD_DURATIONS") == "1"
 _recorded: dict[str, float] = {}
 
 
+def _shared_fixtures(item) -> list[tuple[str, str, str]]:
+    """The module-, class- and session-scoped fixtures of our own (conftest and test files) that item uses. Each is
+    set up once, and a full run records its cost on the first test that uses it: a quick test that shares it pays
+    that cost too."""
+    info = getattr(item, "_fixtureinfo", None)
+    keys = []
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs and defs[-1].scope != "function" and defs[-1].baseid:  # baseid "": pytest's own (tmp_path_factory)
+            per_module = defs[-1].scope != "session"
+            keys.append((name, defs[-1].baseid, item.nodeid.split("::")[0] if per_module else ""))
+    return keys
+
+
 def pytest_collection_modifyitems(config, items):
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    spent = 0.0
+    set_up_by = {}  # shared fixture -> (the test whose recorded seconds hold its set-up, those seconds)
+    for item in items:
+        for key in _shared_fixtures(item):
+            set_up_by.setdefault(key, (item.nodeid, known.get(item.nodeid, math.inf)))
+    spent, paid = 0.0, set()
     for item in sorted(items, key=lambda i: known.get(i.nodeid, math.inf)):
-        seconds = known.get(item.nodeid, math.inf)
+        shared = _shared_fixtures(item)
+        seconds = known.get(item.nodeid, math.inf) + sum(
+            set_up_by[k][1] for k in shared if k not in paid and set_up_by[k][0] != item.nodeid)
         if spent + seconds > QUICK_BUDGET_S:
-            break
+            continue
         spent += seconds
+        paid.update(shared)
         item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return
