@@ -63,6 +63,16 @@ def wait_for_peers() -> None:
     dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, the backend that reads the store to connect
 
 
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """torch's init_device_mesh (a collective: every rank builds it), returned once every rank has connected its
+    groups (wait_for_peers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    wait_for_peers()
+    return mesh
+
+
 def _restart_safe_store(timeout: datetime.timedelta):
     """A store of this attempt's own under torchrun (None: torch makes a fresh one itself).
 

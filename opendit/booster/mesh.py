@@ -12,9 +12,9 @@ Data-parallel rank = replicate index * dp_shard + shard index; all ranks of one 
 read the same batch).
 """
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from opendit.distributed import wait_for_peers
+from opendit.distributed import device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
 
@@ -28,9 +28,7 @@ def mesh_shape(plugin: str, world_size: int, dp_replicate: int = 1, sp_size: int
 
 
 def build_mesh(device: torch.device, shape: tuple[int, int, int]) -> DeviceMesh:
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    wait_for_peers()
-    return mesh
+    return device_mesh(device.type, shape, MESH_DIMS)
 
 
 def shard_mesh(mesh: DeviceMesh, replicate: bool) -> DeviceMesh:

@@ -22,9 +22,9 @@ The ranks of one cfg x sp group share each batch of samples. See docs/sampling.m
 """
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from opendit.distributed import wait_for_peers
+from opendit.distributed import device_mesh
 from opendit.parallel.comm import gather_seq
 
 MESH_DIMS = ("dp", "cfg", "sp")
@@ -46,9 +46,7 @@ def validate_cfg_parallel(world_size: int, sp_size: int, guided: bool) -> None:
 def sampling_mesh(device: torch.device, world_size: int, sp_size: int, cfg_size: int) -> DeviceMesh:
     """The ("dp", "cfg", "sp") mesh of a validated configuration (cfg_size 1 or 2)."""
     shape = (world_size // (cfg_size * sp_size), cfg_size, sp_size)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    wait_for_peers()
-    return mesh
+    return device_mesh(device.type, shape, MESH_DIMS)
 
 
 def enable_cfg_parallel(model: torch.nn.Module, group, counter=None) -> list:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from opendit.distributed import device_mesh
 from opendit.parallel.model_plan import ParallelPlan
 
 SPLIT_INPUTS = ("hidden_states", "encoder_hidden_states")  # the forward's token sequences, checked
@@ -59,7 +60,6 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses", cp_plan: Callab
     from diffusers import ContextParallelConfig
     from diffusers.hooks.context_parallel import ContextParallelOutput, apply_context_parallel
     from diffusers.models._modeling_parallel import ParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
     size, world = dist.get_world_size(group), dist.get_world_size()
     heads = next(getattr(model.config, k) for k in ("num_attention_heads", "n_heads") if hasattr(model.config, k))
@@ -67,8 +67,7 @@ def apply_diffusers_ulysses(model, group, kind: str = "ulysses", cp_plan: Callab
         raise ValueError(f"--sequence_parallel_size {size} does not divide {type(model).__name__}'s {heads} attention "
                          f"heads (Ulysses gives each rank whole heads)")
     cuda = dist.get_backend(group) == "nccl"
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // size, 1, size),
-                            mesh_dim_names=("sp_replica", "ring", "ulysses"))  # a collective: every rank builds it
+    mesh = device_mesh("cuda" if cuda else "cpu", (world // size, 1, size), ("sp_replica", "ring", "ulysses"))
     if mesh["ulysses"].mesh.tolist() != dist.get_process_group_ranks(group):
         raise ValueError(f"the sequence-parallel group {dist.get_process_group_ranks(group)} is not a run of "
                          f"consecutive ranks, which diffusers' context-parallel mesh lays out")
