@@ -50,13 +50,14 @@ def _shared_fixtures(item) -> list[tuple[str, str, str]]:
 
 def pytest_collection_modifyitems(config, items):
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    shared_by = {item.nodeid: _shared_fixtures(item) for item in items}
     set_up_by = {}  # shared fixture -> (the test whose recorded seconds hold its set-up, those seconds)
     for item in items:
-        for key in _shared_fixtures(item):
+        for key in shared_by[item.nodeid]:
             set_up_by.setdefault(key, (item.nodeid, known.get(item.nodeid, math.inf)))
     spent, paid = 0.0, set()
     for item in sorted(items, key=lambda i: known.get(i.nodeid, math.inf)):
-        shared = _shared_fixtures(item)
+        shared = shared_by[item.nodeid]
         seconds = known.get(item.nodeid, math.inf) + sum(
             set_up_by[k][1] for k in shared if k not in paid and set_up_by[k][0] != item.nodeid)
         if spent + seconds > QUICK_BUDGET_S:
