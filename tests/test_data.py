@@ -22,6 +22,23 @@ def test_digits_count_classes_range_shape():
     assert rgb.shape == (3, 12, 12) and torch.equal(rgb[0], rgb[2])
 
 
+@pytest.mark.parametrize("where", ["scikit-learn's file", "load_digits"])
+def test_digits_read_without_scikit_learn_equal_load_digits(monkeypatch, where):
+    """The digits come from scikit-learn's csv directly (no 1.3 s import per process), or from load_digits where
+    the file is not found: the same arrays either way."""
+    import importlib.util
+
+    from sklearn.datasets import load_digits
+
+    from opendit.data import digits
+    if where == "load_digits":
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    images, labels = digits._load_raw()
+    bunch = load_digits()
+    assert images.dtype == np.float32 and labels.dtype == np.int64 and images.flags.c_contiguous
+    assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
+
+
 def test_digits_split_deterministic_and_stratified():
     (xa, ya), (xh, yh) = digits_split()
     (xa2, _), (xh2, yh2) = digits_split()
