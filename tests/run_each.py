@@ -1,8 +1,10 @@
-"""An entry script's run (train.py, sample.py) for several command lines: `run_here(script, *args)` in the test's own
-process (one process, world size 1), `run_each(script, [args, ...], nproc)` in ONE torchrun launch of nproc workers
-that runs each command line in turn (sequence parallel, then CFG parallel, ...: the launch and the imports are paid
-once). Each command line goes through the script's own parser, checks and main; only the process group is kept
-between them. sample_here / sample_each: the same for sample.py."""
+"""An entry script's run (train.py, sample.py, preprocess.py) for several command lines: `run_here(script, *args)` in
+the test's own process (one process, world size 1: no interpreter start and imports to pay, seconds each on a small
+CPU), `run_each(script, [args, ...], nproc)` in ONE torchrun launch of nproc workers that runs each command line in
+turn (sequence parallel, then CFG parallel, ...: the launch and the imports are paid once). Each command line goes
+through the script's own parser, checks and main (as its `__main__` block does); only the process group is kept
+between them. sample_here / sample_each: the same for sample.py. Real processes of the scripts: test_train.py
+(torchrun), test_user_errors.py (what a bad flag prints), test_latents.py (two-process preprocess.py)."""
 import functools
 import json
 import sys
@@ -12,6 +14,11 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository roo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# script -> (its config class in opendit.config, the function its __main__ block runs)
+ENTRIES = {"train": ("TrainConfig", "main"), "sample": ("SampleConfig", "main"),
+           "preprocess": ("PreprocessConfig", "run")}
+
+
 def _run(script: str, argv) -> None:
     import importlib
 
@@ -19,19 +26,23 @@ def _run(script: str, argv) -> None:
     from opendit.cli import parse_config, run_entry
 
     module = importlib.import_module(script.removesuffix(".py"))
-    cls = {"train": cfglib.TrainConfig, "sample": cfglib.SampleConfig}[module.__name__]
-    run_entry(module.main, parse_config(cls, module.__doc__, [str(a) for a in argv]), check=cfglib.check_config)
+    config, entry = ENTRIES[module.__name__]
+    run_entry(getattr(module, entry), parse_config(getattr(cfglib, config), module.__doc__, [str(a) for a in argv]),
+              check=cfglib.check_config)
 
 
 def run_here(script: str, *args) -> None:
     """`python SCRIPT ARGS` in this process, with one intra-op thread (as the launched workers run)."""
     import torch
+
+    from opendit.distributed import cleanup
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         _run(script, args)
     finally:
         torch.set_num_threads(n)
+        cleanup()  # the one-process group the script made (preprocess.py leaves it to its __main__ block)
 
 
 def run_each(script: str, runs, nproc: int = 2):

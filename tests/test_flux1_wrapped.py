@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.run_each import run_here
 from tests.test_flux_family import flux_cfg, tiny_text_encoders
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_trains_resumes_and_samples_from_the_command_line(tmp_path, encoders):
     _, resumed = run_trainer(wrapped_cfg(tmp_path / "b", pipe, max_steps=4, ckpt_every=2, load="latest"))
     assert resumed == full[2:] and all(np.isfinite(full))
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "a", "--prompts", "a handwritten one",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "a", "--prompts", "a handwritten one",
         "the digit two", "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.run_each import run_here
 from tests.test_flux2_family import save_tiny_flux2_vae
-from tests.test_video_family import cli
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +86,11 @@ def test_samples_equal_the_pipelines_own_images(tmp_path, mistral):
 
 
 def test_trains_and_samples_from_the_command_line(tmp_path, mistral):
-    cli("train.py", "--model", "flux2-dev-debug", "--dataset", "captioned_digits", "--image_size", "8", "--vae",
+    run_here("train.py", "--model", "flux2-dev-debug", "--dataset", "captioned_digits", "--image_size", "8", "--vae",
         "none", "--text_encoder", mistral, "--batch_size", "2", "--max_steps", "2", "--num_workers", "0",
         "--outputs", tmp_path)
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one",
         "--num_sampling_steps", "2", "--cfg_scale", "3", "--npz", "--out", out)
     images = np.load(out / "samples.npz")["arr_0"]
     assert images.shape == (1, 8, 8, 3) and images.dtype == np.uint8

@@ -9,7 +9,7 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
-from tests.run_each import sample_here
+from tests.run_each import sample_here, run_here
 from tests.test_train import run_trainer, save_tiny_vae
 from tests.test_video_family import cli, losses_of
 
@@ -38,13 +38,13 @@ def flux_cfg(outputs, encoders, **kw):
 
 def test_demo_trains_and_samples_from_the_command_line(tmp_path, encoders):
     t5, clip = encoders
-    cli("train.py", "--model", "flux-debug", "--dataset", "captioned_digits", "--image_size", "8", "--t5", t5,
+    run_here("train.py", "--model", "flux-debug", "--dataset", "captioned_digits", "--image_size", "8", "--t5", t5,
         "--clip", clip, "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0",
         "--outputs", tmp_path)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a handwritten three\n\nthe digit seven\n")
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "--prompts_file",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "--prompts_file",
         prompts, "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     images = np.load(out / "samples.npz")["arr_0"]
     assert images.shape == (3, 8, 8, 3) and images.dtype == np.uint8  # one per prompt (the blank line skipped)
@@ -86,7 +86,7 @@ def test_a_missing_text_encoder_is_a_clear_error(tmp_path, encoders):
 def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, encoders):
     t5, clip = encoders
     vae = save_tiny_vae(tmp_path / "vae", latent_channels=16)  # FLUX's 16 latent channels
-    cli("preprocess.py", "--family", "flux", "--model", "flux-debug", "--dataset", "captioned_digits",
+    run_here("preprocess.py", "--family", "flux", "--model", "flux-debug", "--dataset", "captioned_digits",
         "--image_size", "32", "--vae", vae, "--t5", t5, "--clip", clip, "--out", tmp_path / "cache",
         "--batch_size", "256", "--num_workers", "0")
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())

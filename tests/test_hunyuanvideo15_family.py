@@ -11,9 +11,8 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
-from tests.run_each import sample_each, sample_here
+from tests.run_each import sample_each, sample_here, run_here
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +38,11 @@ def save_tiny_video_vae(folder):
 
 
 def test_trains_and_samples_clips_from_the_command_line(tmp_path, encoders_folder):
-    cli("train.py", "--model", "hunyuanvideo1.5-debug", "--dataset", "moving_digits", "--image_size", "8",
+    run_here("train.py", "--model", "hunyuanvideo1.5-debug", "--dataset", "moving_digits", "--image_size", "8",
         "--num_frames", "5", "--vae", "none", "--text_encoder", encoders_folder, "--batch_size", "4", "--max_steps",
         "2", "--log_every", "1", "--num_workers", "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left",
         "the digit 3 moving up", "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 5, 8, 8, 3)
     assert len(list((out / "videos").glob("*.mp4"))) == 2

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from opendit import config as cfglib
 from opendit.lora.lycoris import load_lycoris, merge_deltas
+from tests.run_each import run_here
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 from tests.test_wrapped_lora import diffusers_pipeline, qwen  # noqa: F401  (qwen: the tiny Qwen3 fixture)
 
 
@@ -104,7 +104,7 @@ def test_flux2_lokr_files_sample_what_diffusers_samples_with_them(tmp_path, qwen
     for name, state in files.items():
         path = tmp_path / f"{name}.safetensors"
         save_file(state, str(path))
-        cli("sample.py", "--ckpt", base, "--model", model, "--text_encoder", qwen, "--vae", "none", "--image_size",
+        run_here("sample.py", "--ckpt", base, "--model", model, "--text_encoder", qwen, "--vae", "none", "--image_size",
             "8", "--lora", path, "--prompts", "a handwritten one", "--num_samples", "2", "--num_sampling_steps", "3",
             "--cfg_scale", "1", "--npz", "--out", tmp_path / name)
         ours = np.load(tmp_path / name / "samples.npz")["arr_0"]

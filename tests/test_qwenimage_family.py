@@ -9,9 +9,8 @@ import torch
 
 from opendit import config as cfglib
 from tests.distributed import run_distributed, train_each
-from tests.run_each import sample_each, sample_here
+from tests.run_each import sample_each, sample_here, run_here
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +36,11 @@ def save_tiny_qwen_vae(folder):
 
 
 def test_trains_and_samples_from_the_command_line(tmp_path, qwen25vl):
-    cli("train.py", "--model", "qwen-image-debug", "--dataset", "captioned_digits", "--image_size", "8", "--vae",
+    run_here("train.py", "--model", "qwen-image-debug", "--dataset", "captioned_digits", "--image_size", "8", "--vae",
         "none", "--text_encoder", qwen25vl, "--batch_size", "4", "--max_steps", "2", "--log_every", "1",
         "--num_workers", "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
         "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
 

@@ -40,10 +40,10 @@ def losses_of(run_dir):
 
 
 def test_moving_digits_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path):
-    cli("train.py", "--model", "Latte-debug", "--dataset", "moving_digits", "--image_size", "8", "--num_frames", "4",
-        "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0", "--outputs", tmp_path)
+    run_here("train.py", "--model", "Latte-debug", "--dataset", "moving_digits", "--image_size", "8", "--num_frames",
+        "4", "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--num_samples", "3", "--num_sampling_steps", "3",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--num_samples", "3", "--num_sampling_steps", "3",
         "--class_labels", "3", "7", "--npz", "--out", out)
     clips = np.load(out / "samples.npz")["arr_0"]
     assert clips.shape == (3, 4, 8, 8, 3) and clips.dtype == np.uint8
@@ -78,7 +78,7 @@ def test_csv_of_mp4s_with_captions_through_vae_and_clip_then_sample_prompts(tmp_
     for bad in ("corrupt.mp4", "missing.mp4", "short.mp4"):  # skipped with a warning each, never a crash
         assert bad in run.stderr
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "out", "--prompts", "a red ball", "a blue box",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "out", "--prompts", "a red ball", "a blue box",
         "--num_sampling_steps", "2", "--cfg_scale", "3", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 4, 16, 16, 3)
 
@@ -98,8 +98,8 @@ def test_captions_need_a_text_encoder_and_prompts_need_a_caption_model(tmp_path)
 
 def test_cached_video_latents_train_like_clips_on_the_fly(tmp_path):
     vae = save_tiny_vae(tmp_path / "vae")
-    cli("preprocess.py", "--family", "video", "--dataset", "moving_digits", "--image_size", "16", "--num_frames", "4",
-        "--vae", vae, "--out", tmp_path / "cache", "--batch_size", "64", "--num_workers", "0")
+    run_here("preprocess.py", "--family", "video", "--dataset", "moving_digits", "--image_size", "16",
+        "--num_frames", "4", "--vae", vae, "--out", tmp_path / "cache", "--batch_size", "64", "--num_workers", "0")
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert manifest["latent_shape"] == [4, 4, 2, 2] and manifest["num_frames"] == 4 and manifest["captions"]
     common = dict(model="VDiT-debug", image_size=16, batch_size=4, max_steps=3)
@@ -179,7 +179,7 @@ def test_flow_matching_objective_trains_and_samples_with_euler(tmp_path):
                                             batch_size=8))
     assert not trainer.cfg.learn_sigma and losses[-1] < 0.8 * losses[0], losses
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--class_labels", "3", "7",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--class_labels", "3", "7",
         "--num_sampling_steps", "3", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 4, 8, 8, 3)
     sys.path.insert(0, str(ROOT))

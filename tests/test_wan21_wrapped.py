@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.run_each import run_here
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 from tests.test_wan_family import wan_cfg
 
 
@@ -65,7 +65,7 @@ def test_trains_resumes_and_samples_clips_from_the_command_line(tmp_path, umt5):
     _, resumed = run_trainer(wrapped_cfg(tmp_path / "b", umt5, max_steps=4, ckpt_every=2, load="latest"))
     assert resumed == full[2:] and all(np.isfinite(full))
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "a", "--prompts", "the digit 7 moving left",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "a", "--prompts", "the digit 7 moving left",
         "--num_samples", "2", "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 5, 16, 16, 3)  # the pipeline takes sides of 16k
 

@@ -163,9 +163,10 @@ def test_two_experts_train_and_sample_from_the_official_layout(tmp_path):
     write_expert(folder / "high_noise_model", 1)
     write_expert(folder / "low_noise_model", 2)
     Image.fromarray((np.random.default_rng(0).random((32, 32)) * 255).astype(np.uint8)).save(tmp_path / "first.png")
-    cli("train.py", "--model", MODEL, "--init_weights", folder, "--expert", "low", "--lora_rank", "4", "--umt5", umt5,
-        "--vae", vae, "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--batch_size", "2",
-        "--max_steps", "2", "--lr", "0.05", "--ema_decay", "0", "--num_workers", "0", "--outputs", tmp_path / "low")
+    run_here("train.py", "--model", MODEL, "--init_weights", folder, "--expert", "low", "--lora_rank", "4", "--umt5",
+        umt5, "--vae", vae, "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--batch_size",
+        "2", "--max_steps", "2", "--lr", "0.05", "--ema_decay", "0", "--num_workers", "0", "--outputs",
+        tmp_path / "low")
     trained = next((tmp_path / "low").glob("*/config.yaml")).read_text()
     assert re.search(r"init_weights: .*low_noise_model", trained) and "expert_boundary: 0.9" in trained
 

@@ -14,8 +14,9 @@ from opendit import config as cfglib
 from opendit.families.wan.family import WanEncoders, WanFamily, WanFlowObjective
 from opendit.families.wan.first_frame import (condition_video, i2v_inputs, load_first_frame, ti2v_timesteps,
                                               with_first_frame)
+from tests.run_each import run_here
 from tests.test_train import ROOT
-from tests.test_video_family import cli, write_csv_videos
+from tests.test_video_family import write_csv_videos
 
 
 def official_i2v_mask(frames: int, lat_h: int, lat_w: int) -> torch.Tensor:
@@ -173,32 +174,32 @@ def test_image_to_video_through_the_entry_scripts(tmp_path):
     Image.fromarray((np.random.default_rng(0).random((12, 20)) * 255).astype(np.uint8)).save(tmp_path / "first.png")
     common = ["--umt5", umt5, "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0"]
     pixels = [*common, "--vae", "none", "--dataset", "moving_digits", "--image_size", "16", "--num_frames", "3"]
-    cli("train.py", "--model", "Wan2.2-debug", *pixels, "--outputs", tmp_path / "ti2v")
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "ti2v", "--prompt", "the digit 3 moving up",
+    run_here("train.py", "--model", "Wan2.2-debug", *pixels, "--outputs", tmp_path / "ti2v")
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "ti2v", "--prompt", "the digit 3 moving up",
         "--image", tmp_path / "first.png", "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "s_ti2v")
     clip = np.load(tmp_path / "s_ti2v" / "samples.npz")["arr_0"][0]
     image = (load_first_frame(tmp_path / "first.png", 16, 16, channels=1)[0].numpy() + 1) * 127.5
     assert np.abs(clip[0, :, :, 0] - image).max() <= 0.5  # the given frame, to the uint8 rounding
 
-    cli("train.py", "--model", "Wan2.2-I2V-debug", *pixels, "--sample_every", "2", "--preview_steps", "2",
+    run_here("train.py", "--model", "Wan2.2-I2V-debug", *pixels, "--sample_every", "2", "--preview_steps", "2",
         "--outputs", tmp_path / "i2v")  # the preview samples with the image dropped
     run = [*("--ckpt", "latest", "--outputs", tmp_path / "i2v", "--prompt", "a"), "--num_sampling_steps", "2"]
     out = subprocess.run([sys.executable, "sample.py", *map(str, run), "--out", str(tmp_path / "none")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "pass --image with the first frame" in out.stderr.splitlines()[-1]
-    cli("sample.py", *run, "--image", tmp_path / "first.png", "--npz", "--out", tmp_path / "s_i2v")
+    run_here("sample.py", *run, "--image", tmp_path / "first.png", "--npz", "--out", tmp_path / "s_i2v")
     assert np.load(tmp_path / "s_i2v" / "samples.npz")["arr_0"].shape == (1, 3, 16, 16, 3)
 
     vae = save_tiny_wan_vae(tmp_path / "vae")
     videos = tmp_path / "videos"
     videos.mkdir()
     write_csv_videos(videos)  # three readable 12-frame clips with captions (and some broken rows, skipped)
-    cli("preprocess.py", "--family", "wan", "--model", "Wan2.2-I2V-debug", "--dataset", "video_csv", "--data_path",
+    run_here("preprocess.py", "--family", "wan", "--model", "Wan2.2-I2V-debug", "--dataset", "video_csv", "--data_path",
         videos / "captions.csv", "--image_size", "32", "--num_frames", "5", "--vae", vae, "--umt5", umt5,
         "--batch_size", "4", "--num_workers", "0", "--out", tmp_path / "cache")
-    cli("train.py", "--model", "Wan2.2-I2V-debug", *common, "--batch_size", "2", "--dataset", "latents",
+    run_here("train.py", "--model", "Wan2.2-I2V-debug", *common, "--batch_size", "2", "--dataset", "latents",
         "--data_path", tmp_path / "cache", "--outputs", tmp_path / "cached")
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "a", "--image",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "a", "--image",
         tmp_path / "first.png", "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "s_cached")
     assert np.load(tmp_path / "s_cached" / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)
 

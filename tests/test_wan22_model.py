@@ -8,6 +8,7 @@ import torch
 
 from opendit.families.wan.model import WanModel
 from opendit.families.wan.weights import WAN_WEIGHTS
+from tests.run_each import run_here
 from tests.test_wan_model import ATOL, TINY, padded, tiny_wan, wan_inputs
 from tests.wan_reference import reference_forward
 
@@ -103,21 +104,20 @@ def test_ti2v_text_to_video_trains_caches_and_samples_with_the_wan22_vae(tmp_pat
 
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
     from opendit.families.wan.vae import save_tiny_wan_vae
-    from tests.test_video_family import cli
 
     umt5 = save_tiny_umt5(tmp_path / "umt5", max_length=16)
     vae = save_tiny_wan_vae(tmp_path / "vae", wan22=True)
     common = ["--model", "Wan2.2-debug", "--umt5", umt5, "--batch_size", "2", "--max_steps", "2", "--log_every", "1",
               "--num_workers", "0"]
-    cli("train.py", *common, "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--vae", vae,
+    run_here("train.py", *common, "--dataset", "moving_digits", "--image_size", "32", "--num_frames", "5", "--vae", vae,
         "--outputs", tmp_path / "runs")
-    cli("preprocess.py", "--family", "wan", "--model", "Wan2.2-debug", "--dataset", "moving_digits",
+    run_here("preprocess.py", "--family", "wan", "--model", "Wan2.2-debug", "--dataset", "moving_digits",
         "--image_size", "32", "--num_frames", "5", "--vae", vae, "--umt5", umt5, "--batch_size", "4",
         "--num_workers", "0", "--out", tmp_path / "cache")
     assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["latent_shape"] == [48, 2, 2, 2]
-    cli("train.py", *common, "--dataset", "latents", "--data_path", tmp_path / "cache",
+    run_here("train.py", *common, "--dataset", "latents", "--data_path", tmp_path / "cache",
         "--outputs", tmp_path / "cached")
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "the digit 3 moving up",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "cached", "--prompt", "the digit 3 moving up",
         "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "samples")
     clips = np.load(tmp_path / "samples" / "samples.npz")["arr_0"]
     assert clips.shape == (1, 5, 32, 32, 3) and clips.dtype == np.uint8

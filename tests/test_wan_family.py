@@ -46,7 +46,7 @@ def _cli_common(umt5):
 
 
 def test_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path, umt5):
-    cli("train.py", *_cli_common(umt5), "--max_steps", "2", "--outputs", tmp_path)
+    run_here("train.py", *_cli_common(umt5), "--max_steps", "2", "--outputs", tmp_path)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the digit 3 moving left\n\nthe digit 7 moving up\n")
     for sampler, launch in (("unipc", cli), ("euler", run_here)):  # the second in this process (the same main)
@@ -113,8 +113,8 @@ def test_a_missing_text_encoder_is_a_clear_error(tmp_path, umt5):
 
 
 def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan_vae):
-    cli("preprocess.py", "--family", "wan", "--model", "Wan-debug", "--dataset", "moving_digits", "--image_size", "32",
-        "--num_frames", "5", "--vae", wan_vae, "--umt5", umt5, "--out", tmp_path / "cache", "--batch_size", "64",
+    run_here("preprocess.py", "--family", "wan", "--model", "Wan-debug", "--dataset", "moving_digits", "--image_size",
+        "32", "--num_frames", "5", "--vae", wan_vae, "--umt5", umt5, "--out", tmp_path / "cache", "--batch_size", "64",
         "--num_workers", "0")
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert manifest["latent_shape"] == [16, 2, 4, 4] and manifest["embeddings"] == ["umt5"]
@@ -127,7 +127,7 @@ def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan
     run_trainer(wan_cfg(fly, umt5, vae=wan_vae, **common))
     np.testing.assert_allclose(losses_of(cached / RUN), losses_of(fly / RUN), rtol=1e-5)
     out = tmp_path / "samples"  # the cache's run samples through the VAE and UMT5 it names
-    cli("sample.py", "--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
         "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)
 
@@ -248,7 +248,7 @@ def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
 def test_a_diffusers_wan_folder_samples_and_fine_tunes(tmp_path, wan_vae):
     pipe, ours = tiny_wan_pipeline(tmp_path / "pipe", tmp_path / "umt5", wan_vae)
     out = tmp_path / "samples"  # the folder names the model, its VAE and its text encoder
-    cli("sample.py", "--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "32",
+    run_here("sample.py", "--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "32",
         "--width", "64", "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 64, 3)
     # fine-tuning starts from the folder's weights

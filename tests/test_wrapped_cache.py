@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from opendit import config as cfglib
+from tests.run_each import run_here
 from tests.test_flux2_family import save_tiny_flux2_vae
 from tests.test_qwenimage_family import save_tiny_qwen_vae
 from tests.test_train import run_trainer
-from tests.test_video_family import cli, losses_of
+from tests.test_video_family import losses_of
 
 
 def _encoder(model, folder):
@@ -26,8 +27,8 @@ def _encoder(model, folder):
 def test_a_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_path, model):
     text, vae, family = _encoder(model, tmp_path / "text")
     cache = tmp_path / "cache"
-    cli("preprocess.py", "--family", family, "--model", model, "--dataset", "captioned_digits", "--image_size", "16",
-        "--vae", vae, "--text_encoder", text, "--out", cache, "--batch_size", "256", "--num_workers", "0")
+    run_here("preprocess.py", "--family", family, "--model", model, "--dataset", "captioned_digits", "--image_size",
+        "16", "--vae", vae, "--text_encoder", text, "--out", cache, "--batch_size", "256", "--num_workers", "0")
     manifest = json.loads((cache / "manifest.json").read_text())
     conditions = ["cond_embeds"] if family == "flux2" else ["cond_embeds", "cond_mask"]
     assert manifest["embeddings"] == conditions and manifest["extras"] == sorted(conditions)
@@ -45,7 +46,7 @@ def test_a_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_path, m
     assert list((tmp_path / "c").glob("000-*/previews/*"))  # the preview, its prompts from the cache
 
     out = tmp_path / "samples"
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "c", "--prompts", "a handwritten one",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "c", "--prompts", "a handwritten one",
         "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 16, 16, 3)
 
@@ -74,7 +75,7 @@ def test_a_clip_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_pa
 
     text, vae = save_tiny_text_encoders(tmp_path / "text"), save_tiny_video_vae(tmp_path / "vae")
     cache = tmp_path / "cache"
-    cli("preprocess.py", "--family", "hunyuanvideo15", "--model", "hunyuanvideo1.5-debug", "--dataset",
+    run_here("preprocess.py", "--family", "hunyuanvideo15", "--model", "hunyuanvideo1.5-debug", "--dataset",
         "moving_digits", "--image_size", "32", "--num_frames", "5", "--vae", vae, "--text_encoder", text, "--out",
         cache, "--batch_size", "64", "--num_workers", "0")
     manifest = json.loads((cache / "manifest.json").read_text())
@@ -91,6 +92,6 @@ def test_a_clip_cache_trains_like_encoding_on_the_fly_and_its_run_samples(tmp_pa
                                    outputs=str(tmp_path / "f")))
     cached, fly = (losses_of(next((tmp_path / d).glob("000-*"))) for d in ("c", "f"))
     np.testing.assert_allclose(cached, fly, rtol=1e-5)
-    cli("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "c", "--prompts", "the digit 3 moving up",
+    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path / "c", "--prompts", "the digit 3 moving up",
         "--num_sampling_steps", "2", "--npz", "--out", tmp_path / "samples")
     assert np.load(tmp_path / "samples" / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)

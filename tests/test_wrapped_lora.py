@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.run_each import run_here
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,10 @@ def test_lora_files_load_into_the_pipeline_and_sample_the_same(tmp_path, qwen, q
     step = next((tmp_path / "lora").glob("*/checkpoints/step-000003"))
     sampling = ["--prompts", "a handwritten one", "--num_samples", "2", "--num_sampling_steps", "3", "--cfg_scale", "1",
                 "--npz"]
-    cli("sample.py", "--ckpt", step, *sampling, "--out", tmp_path / "ours")
+    run_here("sample.py", "--ckpt", step, *sampling, "--out", tmp_path / "ours")
     ours = np.load(tmp_path / "ours" / "samples.npz")["arr_0"]
-    cli("sample.py", "--ckpt", base, "--model", model, "--text_encoder", encoder, "--vae", "none", "--image_size", "8",
-        "--lora", step / "lora_kohya.safetensors", *sampling, "--out", tmp_path / "kohya")
+    run_here("sample.py", "--ckpt", base, "--model", model, "--text_encoder", encoder, "--vae", "none",
+        "--image_size", "8", "--lora", step / "lora_kohya.safetensors", *sampling, "--out", tmp_path / "kohya")
     np.testing.assert_array_equal(np.load(tmp_path / "kohya" / "samples.npz")["arr_0"], ours)
 
     pipe, _, images = diffusers_pipeline(common, base)
