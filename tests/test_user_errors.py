@@ -1,11 +1,12 @@
 """A bad flag or file, tried as a new user would: the real entry scripts (train.py, sample.py, preprocess.py) end
 with exit status 2 and ONE line `error: ...` naming the flag or file, no traceback, and no run folder left
-behind (opendit/cli.py, opendit.config.check_config). The rows run as subprocesses, several at a time."""
+behind (opendit/cli.py, opendit.config.check_config). The rows run as forks of one process (tests/entry_forks.py);
+one row of each script also in a new interpreter of its own, which must print the same."""
+import json
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -60,11 +61,26 @@ def _run_folders(root):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every row's (exit status, output, cwd), run concurrently (each process mostly imports torch)."""
+    """Every row's (exit status, output, cwd): each command line a fork of one process that imported torch and
+    opendit (tests/entry_forks.py), not a new interpreter importing them again for each row."""
+    root = tmp_path_factory.mktemp("rows")
     cwds = [tmp_path_factory.mktemp(f"row{i}") for i in range(len(ROWS))]
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        outs = list(pool.map(lambda r: _run(r[0][1], r[1]), zip(ROWS, cwds)))
-    return {row[0]: (*out, cwd) for row, out, cwd in zip(ROWS, outs, cwds)}
+    rows = [[str(ROOT / cmd[0]), cmd[1:], str(cwd), str(root / f"{i}.txt")]
+            for i, ((_, cmd, _), cwd) in enumerate(zip(ROWS, cwds))]
+    (root / "rows.json").write_text(json.dumps(rows))
+    code, output = _run(["tests/entry_forks.py", str(root / "rows.json")], ROOT)
+    assert code == 0, output[-3000:]
+    codes = json.loads(output.strip().splitlines()[-1])
+    return {row[0]: (c, (root / f"{i}.txt").read_text(), cwd) for i, (row, c, cwd) in enumerate(zip(ROWS, codes, cwds))}
+
+
+@pytest.mark.parametrize("name", ["max_steps negative", "sample: zero steps", "preprocess: no out"])
+def test_a_new_interpreter_prints_what_the_fork_does(results, tmp_path, name):
+    """What only a new process shows (output while importing, the interpreter's own exit) for one row of each
+    script: the same exit status and lines as its fork above."""
+    cmd = next(row[1] for row in ROWS if row[0] == name)
+    code, output = _run(cmd, tmp_path)
+    assert (code, output.splitlines()) == (results[name][0], results[name][1].splitlines())
 
 
 def _assert_one_error_line(output, names):
