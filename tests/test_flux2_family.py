@@ -47,7 +47,7 @@ def test_trains_and_samples_from_the_command_line(tmp_path, qwen):
         "none", "--text_encoder", qwen, "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers",
         "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
+    sample_here("--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
         "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     images = np.load(out / "samples.npz")["arr_0"]
     assert images.shape == (2, 8, 8, 3) and images.dtype == np.uint8
@@ -208,7 +208,7 @@ def test_a_diffusers_pipeline_folder_trains_and_samples(tmp_path, qwen):
     assert settings == dict(model="flux2-klein-debug", dataset="captions", image_size=1024, vae=str(pipe / "vae"),
                             text_encoder=str(pipe), scheduler=str(pipe))
     out = tmp_path / "samples"
-    run_here("sample.py", "--ckpt", pipe, "--prompts", "a handwritten one", "--image_size", "16",
+    sample_here("--ckpt", pipe, "--prompts", "a handwritten one", "--image_size", "16",
         "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 16, 16, 3)
     run_here("train.py", "--model", "flux2-klein-debug", "--init_weights", pipe, "--vae", pipe, "--text_encoder", pipe,

@@ -44,7 +44,7 @@ def test_demo_trains_and_samples_from_the_command_line(tmp_path, encoders):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a handwritten three\n\nthe digit seven\n")
     out = tmp_path / "samples"
-    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "--prompts_file",
+    sample_here("--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "--prompts_file",
         prompts, "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     images = np.load(out / "samples.npz")["arr_0"]
     assert images.shape == (3, 8, 8, 3) and images.dtype == np.uint8  # one per prompt (the blank line skipped)

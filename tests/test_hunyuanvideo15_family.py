@@ -42,7 +42,7 @@ def test_trains_and_samples_clips_from_the_command_line(tmp_path, encoders_folde
         "--num_frames", "5", "--vae", "none", "--text_encoder", encoders_folder, "--batch_size", "4", "--max_steps",
         "2", "--log_every", "1", "--num_workers", "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left",
+    sample_here("--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 7 moving left",
         "the digit 3 moving up", "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 5, 8, 8, 3)
     assert len(list((out / "videos").glob("*.mp4"))) == 2

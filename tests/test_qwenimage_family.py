@@ -40,7 +40,7 @@ def test_trains_and_samples_from_the_command_line(tmp_path, qwen25vl):
         "none", "--text_encoder", qwen25vl, "--batch_size", "4", "--max_steps", "2", "--log_every", "1",
         "--num_workers", "0", "--outputs", tmp_path)
     out = tmp_path / "samples"
-    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
+    sample_here("--ckpt", "latest", "--outputs", tmp_path, "--prompts", "a handwritten one", "the digit two",
         "--num_sampling_steps", "3", "--cfg_scale", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (2, 8, 8, 3)
 

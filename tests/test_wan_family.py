@@ -59,7 +59,7 @@ def test_demo_trains_and_samples_mp4s_from_the_command_line(tmp_path, umt5):
         with av.open(str(out / "videos" / "000001.mp4")) as container:
             assert len(list(container.decode(video=0))) == 3
     out = tmp_path / "longer"  # other frame counts and sizes than trained
-    run_here("sample.py", "--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving down",
+    sample_here("--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving down",
         "--num_frames", "5", "--height", "8", "--width", "16", "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 8, 16, 3)
 
@@ -127,7 +127,7 @@ def test_cached_latents_and_embeddings_train_like_on_the_fly(tmp_path, umt5, wan
     run_trainer(wan_cfg(fly, umt5, vae=wan_vae, **common))
     np.testing.assert_allclose(losses_of(cached / RUN), losses_of(fly / RUN), rtol=1e-5)
     out = tmp_path / "samples"  # the cache's run samples through the VAE and UMT5 it names
-    run_here("sample.py", "--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
+    sample_here("--ckpt", "latest", "--outputs", cached, "--prompts", "the digit 1 moving down",
         "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 32, 3)
 
@@ -248,7 +248,7 @@ def tiny_wan_pipeline(folder, umt5_root, wan_vae) -> str:
 def test_a_diffusers_wan_folder_samples_and_fine_tunes(tmp_path, wan_vae):
     pipe, ours = tiny_wan_pipeline(tmp_path / "pipe", tmp_path / "umt5", wan_vae)
     out = tmp_path / "samples"  # the folder names the model, its VAE and its text encoder
-    run_here("sample.py", "--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "32",
+    sample_here("--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "32",
         "--width", "64", "--num_sampling_steps", "2", "--npz", "--out", out)
     assert np.load(out / "samples.npz")["arr_0"].shape == (1, 5, 32, 64, 3)
     # fine-tuning starts from the folder's weights
