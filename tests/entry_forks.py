@@ -59,7 +59,8 @@ def main() -> None:
     import opendit.inference  # noqa: F401
     import opendit.training.loop  # noqa: F401
 
-    rows = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        rows = json.load(f)
     print(json.dumps([run_forked(*row) for row in rows]))
 
 

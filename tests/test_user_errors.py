@@ -47,10 +47,13 @@ def _env(**extra):
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
+def _by_path(cmd):
+    """The script by its path (cwd is the row's own folder)."""
+    return [str(ROOT / cmd[0]), *cmd[1:]] if cmd[0].endswith(".py") else cmd
+
+
 def _run(cmd, cwd, env=None, timeout=300):
-    if cmd[0].endswith(".py"):  # the script by its path; cwd is the row's own folder
-        cmd = [str(ROOT / cmd[0]), *cmd[1:]]
-    out = subprocess.run([sys.executable, *cmd], cwd=cwd, env=env or _env(), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, *_by_path(cmd)], cwd=cwd, env=env or _env(), capture_output=True, text=True,
                          timeout=timeout)
     return out.returncode, out.stdout + out.stderr
 
@@ -65,7 +68,7 @@ def results(tmp_path_factory):
     opendit (tests/entry_forks.py), not a new interpreter importing them again for each row."""
     root = tmp_path_factory.mktemp("rows")
     cwds = [tmp_path_factory.mktemp(f"row{i}") for i in range(len(ROWS))]
-    rows = [[str(ROOT / cmd[0]), cmd[1:], str(cwd), str(root / f"{i}.txt")]
+    rows = [[_by_path(cmd)[0], cmd[1:], str(cwd), str(root / f"{i}.txt")]
             for i, ((_, cmd, _), cwd) in enumerate(zip(ROWS, cwds))]
     (root / "rows.json").write_text(json.dumps(rows))
     code, output = _run(["tests/entry_forks.py", str(root / "rows.json")], ROOT)
