@@ -20,6 +20,12 @@ setup(
         "tqdm",
         "scikit-learn",
         "matplotlib",
+        # sharded streams (--dataset webdataset | parquet | hf): tar shards through wids / webdataset, Parquet through
+        # pyarrow, Arrow tables through datasets
+        "webdataset",
+        "wids",
+        "pyarrow",
+        "datasets",
     ],
     extras_require={
         # peft: diffusers loads LoRA files through it; pytest-xdist: README's test command runs two workers

@@ -126,6 +126,34 @@ class TrainData:
 
 
 @dataclass
+class StreamOptions:
+    """Sharded streams: --dataset webdataset, parquet, hf (docs/data.md)."""
+    image_key: str | None = opt(None, "where a stream's image (video: clip) is: tar member extensions or column names, "
+                                      "comma-separated, the first present wins; default: jpg,jpeg,png,webp,image,img "
+                                      "(video: mp4,webm,mkv,avi,mov,video)")
+    caption_key: str | None = opt(None, "where a stream's caption is; json:FIELD reads a field of the sample's .json; "
+                                        "default: txt,caption,text,json:caption,json:text")
+    label_key: str | None = opt(None, "where a stream's class label is; default: cls,label,json:label,json:cls")
+    shuffle_buffer: int = opt(10000, "samples a stream shuffles together (a window of its shuffled shards)",
+                              check="positive")
+    stream_partitions: int = opt(1, "deal a stream's shards to this many partitions, each global batch taking the "
+                                    "same count from each; a multiple of the data-parallel size reads each rank's "
+                                    "own shards only (the same value resumes at any world size it divides)",
+                                 check="positive")
+    crop: str = opt("center", "streams: where the square crop sits after the resize", ("center", "random"))
+    min_image_size: int = opt(0, "streams: skip (and count) images or clips whose shorter side is below this many "
+                                 "pixels", check="nonneg")
+    max_aspect: float = opt(0.0, "streams: skip images whose long / short side exceeds this; 0: no limit",
+                            check="nonneg")
+    min_caption_chars: int = opt(0, "streams: skip samples whose caption is shorter", check="nonneg")
+    max_caption_chars: int = opt(0, "streams: skip samples whose caption is longer; 0: no limit", check="nonneg")
+    shard_cache: str | None = opt(None, "where remote (http) shards are kept, one copy per machine; default: "
+                                        "~/.cache/opendit/shards")
+    hf_args: str | None = opt(None, "--dataset hf: load_dataset's arguments as KEY=VALUE words, e.g. "
+                                    "\"name=default split=train\" (split defaults to train)")
+
+
+@dataclass
 class TrainSchedule:
     """How long and on how much."""
     epochs: int = opt(1400, "passes over the data (ignored when --max_steps is set)")
@@ -254,8 +282,8 @@ class TrainSpeed:
 
 
 TrainOptions = grouped("TrainOptions",
-                       ("model and data", TrainData), ("schedule", TrainSchedule), ("optimizer", TrainOptimizer),
-                       ("EMA", TrainEMA), ("logging and validation", TrainLogging),
+                       ("model and data", TrainData), ("streamed data", StreamOptions), ("schedule", TrainSchedule),
+                       ("optimizer", TrainOptimizer), ("EMA", TrainEMA), ("logging and validation", TrainLogging),
                        ("sampling previews", TrainPreviews), ("checkpoints and resuming", TrainCheckpoints),
                        ("LoRA", TrainLoRA), ("parallelism", TrainParallel, SequenceParallelOptions),
                        ("speed", SpeedOptions, TrainSpeed))

@@ -4,6 +4,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from opendit.data.buckets import bucket_ids
 from opendit.data.sampler import ResumableDistributedSampler
+from opendit.data.streaming import stream_order_of
 from opendit.seeding import mix_seed
 
 
@@ -39,14 +40,16 @@ class ResumableDataLoader(DataLoader):
 def build_dataloader(dataset: Dataset, global_batch_size: int, dp_size: int, dp_rank: int, seed: int,
                      num_workers: int = 0, shuffle: bool = True, drop_last: bool = True) -> ResumableDataLoader:
     """Per-rank batches of global_batch_size / dp_size from this DP rank's shard of each global batch; a dataset
-    with aspect-ratio buckets (opendit.data.buckets) gets batches of one bucket each."""
+    with aspect-ratio buckets (opendit.data.buckets) gets batches of one bucket each, a sharded stream
+    (opendit.data.streaming) its stream order."""
     if global_batch_size <= 0 or global_batch_size % dp_size != 0:
         raise ValueError(
             f"global batch size {global_batch_size} is not divisible by the data-parallel size {dp_size}; "
             f"pick a global batch that is a multiple of {dp_size}")
+    groups = bucket_ids(dataset)
     sampler = ResumableDistributedSampler(len(dataset), dp_size, dp_rank, shuffle=shuffle, seed=seed,
-                                          drop_last=drop_last, global_batch_size=global_batch_size,
-                                          groups=bucket_ids(dataset))
+                                          drop_last=drop_last, global_batch_size=global_batch_size, groups=groups,
+                                          order=stream_order_of(dataset) if groups is None else None)
     loader = ResumableDataLoader(
         dataset,
         batch_size=global_batch_size // dp_size,

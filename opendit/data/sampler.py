@@ -20,6 +20,10 @@ global batches (the remainder is left out this epoch), and the batches are shuff
 each rank's micro-batch holds one bucket, every rank gets the same number of items (of the same size) per step,
 and resuming at another DP size works as above.
 
+Streams. A sharded stream (opendit/data/streaming.py) passes `order`: its epoch order (opendit/data/stream_order.py,
+shards shuffled and read through a window-sized shuffle buffer, a pure function of (seed, epoch)) replaces the
+permutation; it is cut into global batches in the same way, so a stream resumes like any dataset.
+
 Counting. DataLoader workers prefetch ahead, so the sampler cannot tell which batches were really
 trained on; the training loop calls `advance()` once per batch it consumed (before checkpointing).
 """
@@ -37,7 +41,7 @@ from opendit.seeding import mix_seed
 class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = True, global_batch_size: int | None = None,
-                 groups: np.ndarray | None = None):
+                 groups: np.ndarray | None = None, order=None):
         if dataset_len <= 0:
             raise ValueError(f"dataset_len must be positive, got {dataset_len}; the dataset is empty")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
@@ -49,7 +53,12 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel size "
                 f"{num_replicas}; pick a global batch that is a multiple of {num_replicas}")
         self.groups = None if groups is None else np.asarray(groups, dtype=np.int64)
-        if self.groups is not None:
+        self.order, self._cached = order, (None, None)  # a stream's order (see the module doc), (epoch, order)
+        if order is not None:
+            if groups is not None:
+                raise ValueError("aspect-ratio buckets are not supported on a sharded stream yet; leave --buckets out")
+            order.check(global_batch_size, num_replicas)
+        elif self.groups is not None:
             _check_groups(self.groups, dataset_len, global_batch_size, drop_last)
         elif drop_last and dataset_len < global_batch_size:
             raise ValueError(
@@ -65,6 +74,11 @@ class ResumableDistributedSampler(Sampler[int]):
         self.local_batch_size = global_batch_size // num_replicas
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch already trained on (same on every rank)
+        if order is not None and self.epoch_samples(0) == 0:
+            raise ValueError(
+                f"the stream's first epoch holds no whole global batch of {global_batch_size} ({dataset_len} samples"
+                f"{'' if order.partitions == 1 else f' in {order.partitions} partitions'}); lower the global batch "
+                f"size or --stream_partitions, or add data")
 
     # ---- epoch and position -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -84,6 +98,8 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last drops a final partial global batch; otherwise it is padded by wrapping around
         the permutation, so every rank gets full batches."""
         start = self.consumed if start is None else start
+        if self.order is not None:  # whole global batches of the stream's order
+            return len(self.permutation()) // self.global_batch_size * self.global_batch_size
         if self.groups is not None:  # whole batches only, by construction
             return self._grouped_length()
         remaining = max(self.dataset_len - start, 0)
@@ -98,6 +114,10 @@ class ResumableDistributedSampler(Sampler[int]):
     def permutation(self, epoch: int | None = None) -> torch.Tensor:
         """The epoch's global order: int64 [dataset_len], identical on every rank."""
         epoch = self.epoch if epoch is None else epoch
+        if self.order is not None:
+            if self._cached[0] != epoch:
+                self._cached = (epoch, self.order.epoch_order(self.seed, epoch, self.global_batch_size, self.shuffle))
+            return self._cached[1]
         if self.groups is not None:
             return self._grouped_permutation(epoch)
         if not self.shuffle:
@@ -146,6 +166,8 @@ class ResumableDistributedSampler(Sampler[int]):
         state = {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "dataset_len": self.dataset_len}
         if self.groups is not None:
             state["groups"] = groups_fingerprint(self.groups)
+        if self.order is not None:
+            state["stream"] = self.order.fingerprint(self.global_batch_size, self.shuffle)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -166,6 +188,14 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"the checkpoint's data position is for {told(state.get('groups'))}, this run has {told(mine)}; "
                 f"resume with the same --buckets, --bucket_area and data, or start the data order afresh by not "
                 f"loading the sampler state")
+        stream = None if self.order is None else self.order.fingerprint(self.global_batch_size, self.shuffle)
+        if state.get("stream") != stream:
+            raise ValueError(
+                "the checkpoint's data position is for " + ("a sharded stream of another layout (other shards or "
+                "sample counts, --stream_partitions, --shuffle_buffer, or --batch_size with partitions)"
+                if state.get("stream") and stream else "another kind of data (a stream against a map-style dataset)")
+                + "; resume with the same data and stream options, or start the data order afresh by not loading the "
+                "sampler state")
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(
                 f"the checkpoint's data order used seed {state['seed']}, this run uses {self.seed}; "

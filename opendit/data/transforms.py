@@ -9,18 +9,23 @@ def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
     return resize_crop(image, image_size, image_size)
 
 
-def resize_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+def resize_crop(image: Image.Image, width: int, height: int, position: tuple[float, float] | None = None
+                ) -> Image.Image:
     """Resize until a width x height box fits inside, then crop its center: ADM's crop, for any box.
 
     Halving with a BOX filter while both sides are still >= twice the box anti-aliases large photos cheaply; one
     BICUBIC resize then makes the limiting side exactly its box side, and the other side is cropped symmetrically
-    (the extra pixel of an odd margin goes to the right/bottom). For a square box this is ADM's center crop."""
+    (the extra pixel of an odd margin goes to the right/bottom). For a square box this is ADM's center crop.
+    position (x, y in [0, 1]): where the crop sits in the margin instead (a random crop); None: the center."""
     while image.size[0] >= 2 * width and image.size[1] >= 2 * height:
         image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
     scale = max(width / image.size[0], height / image.size[1])
     size = (max(width, round(image.size[0] * scale)), max(height, round(image.size[1] * scale)))
     image = image.resize(size, resample=Image.BICUBIC)
-    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    if position is None:
+        left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    else:
+        left, top = round((size[0] - width) * position[0]), round((size[1] - height) * position[1])
     return image.crop((left, top, left + width, top + height))
 
 

@@ -76,6 +76,17 @@ def _is_int(text: str) -> bool:
     return True
 
 
+def clip_tensor(path, num_frames: int, frame_interval: int, seed: int, width: int, height: int,
+                channels: int) -> torch.Tensor:
+    """A clip of `path` (a file name or object; its start drawn by `seed`), each frame ADM-cropped to width x height
+    -> float32 [channels, num_frames, height, width] in [-1, 1]."""
+    frames = read_clip(path, num_frames, frame_interval, seed=seed)  # uint8 [T, H, W, 3]
+    mode = "L" if channels == 1 else "RGB"
+    crops = [np.asarray(resize_crop(Image.fromarray(f), width, height).convert(mode)) for f in frames]
+    clip = torch.from_numpy(np.stack(crops)).reshape(num_frames, height, width, channels)  # [T, H, W, C]
+    return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, H, W] in [-1, 1]
+
+
 class VideoCSVDataset(Bucketable, Dataset):
     """item = (float32 [channels, num_frames, S, S] in [-1, 1], int label (-1 without labels),
     str caption ("" without captions)); with aspect-ratio buckets (`use_buckets`) [channels, F, H, W] of the item's
@@ -136,12 +147,8 @@ class VideoCSVDataset(Bucketable, Dataset):
 
     def _clip(self, path: str, index: int, width: int, height: int, num_frames: int) -> torch.Tensor:
         # the start keys on the requested index, so a replacement does not shift other items' starts
-        frames = read_clip(path, num_frames, self.frame_interval,
-                           seed=mix_seed(self.seed, self.epoch, index))  # uint8 [T, H, W, 3]
-        mode = "L" if self.channels == 1 else "RGB"
-        crops = [np.asarray(resize_crop(Image.fromarray(f), width, height).convert(mode)) for f in frames]
-        clip = torch.from_numpy(np.stack(crops)).reshape(num_frames, height, width, self.channels)  # [T, H, W, C]
-        return clip.permute(3, 0, 1, 2).float().div_(127.5).sub_(1.0)  # [C, T, H, W] in [-1, 1]
+        return clip_tensor(path, num_frames, self.frame_interval, mix_seed(self.seed, self.epoch, index), width,
+                           height, self.channels)
 
     def _read(self, i: int, index: int):
         path, label, caption = self.samples[i]

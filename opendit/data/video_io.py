@@ -116,7 +116,7 @@ def read_clip(path: str, num_frames: int, frame_interval: int = 1, start=None, s
     """
     av = require_av()
     span = clip_span(num_frames, frame_interval)
-    path = os.fspath(path)
+    path = path if hasattr(path, "read") else os.fspath(path)  # a file object: a clip from a tar shard or a table
     try:
         with av.open(path) as container:
             stream = _video_stream(container, path)

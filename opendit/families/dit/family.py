@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from opendit.checkpoint import load_weights
-from opendit.data import DIGITS, FOLDER, LATENTS, dataset_map
+from opendit.data import DIGITS, FOLDER, LABELLED_STREAMS, LATENTS, dataset_map
 from opendit.families.base import ModelSpec, match_registry
 from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
 from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
@@ -77,7 +77,7 @@ def dit_train_flops_per_image(model, image_size: int | None = None, vae_downsamp
 class DiTFamily(GaussianDiffusionFamily):
     name = "dit"
     models = DIT_MODELS
-    datasets = dataset_map(DIGITS, FOLDER, LATENTS)
+    datasets = dataset_map(DIGITS, FOLDER, LATENTS, *LABELLED_STREAMS)
     checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")
     weights = DIT_WEIGHTS
     cache_thresholds = {"teacache": 0.2, "fbcache": 0.16}  # benchmarks/README.md: digits, no accuracy lost

@@ -20,7 +20,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from opendit.booster import shard_frozen
-from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map, distinct_captions
+from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, LATENTS, dataset_map, distinct_captions
 from opendit.data.captions import LabelledCaptions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow, euler_sample, flux_schedule
 from opendit.encoders.text import (CLIP_SOURCE, T5_SOURCE, FixedEmbeddings, encoder_dtype, load_t5_encoder,
@@ -196,7 +196,7 @@ class FluxFamily(LatentImageFamily):
     models = FLUX_MODELS
     # attention and MLP Linears of both streams and of the single blocks
     lora_targets = r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])|single_blocks\.\d+\.linear[12]"
-    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS)
     samplers = ("euler",)
     defaults_help = {"cfg_scale": "FLUX 1: its guidance embedding instead, see --guidance",
                      "num_sampling_steps": "flux-schnell 4, other FLUX 50", "sampler": "FLUX: euler",

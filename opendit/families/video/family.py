@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from opendit.checkpoint import load_weights
-from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.data import CLIP_STREAMS, LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
 from opendit.diffusion import SAMPLERS
 from opendit.diffusion.flow import RectifiedFlow, cfg_velocity, euler_sample
 from opendit.diffusion.objective import DiffusionObjective
@@ -152,7 +152,7 @@ def video_train_flops_per_sample(model: nn.Module) -> float:
 class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
     name = "video"
     models = VIDEO_MODELS
-    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS, *CLIP_STREAMS)
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow
     defaults_help = {"fps": "video DiTs 8", "cfg_scale": "video DiTs 4",
                      "num_sampling_steps": "video DiTs 250, with --objective flow 50",

@@ -24,7 +24,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from opendit.booster import shard_frozen
-from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
+from opendit.data import CLIP_STREAMS, LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map, distinct_captions
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, cfg_velocity, euler_sample, shift_times
 from opendit.diffusion.sampling import progress_interval
 from opendit.encoders.text import FixedEmbeddings, encoder_dtype
@@ -145,7 +145,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
     name = "wan"
     models = WAN_MODELS
     lora_targets = r"blocks\.\d+\.((self|cross)_attn\.[qkvo]|ffn\.[02])"  # attention and MLP Linears
-    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS, *CLIP_STREAMS)
     samplers = SAMPLERS
     defaults_help = {"fps": "Wan: the model's (Wan2.1 16, Wan-debug 4)", "cfg_scale": "Wan2.1 5, Wan-debug 3",
                      "num_sampling_steps": "Wan2.1 50, Wan-debug 20",

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
-from opendit.data import CAPTIONED_DIGITS, CAPTIONS, LATENTS, dataset_map
+from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, LATENTS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
 from opendit.encoders.vae import posterior_sample
@@ -138,7 +138,7 @@ class PipelineSampler:
 
 class DiffusersFamily(CachedConditions, LatentImageFamily):
     """A family of one ModelGlue's models (see the module's docstring)."""
-    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS)
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS)
     samplers = ("euler",)  # the pipeline's scheduler (FLUX.2: FlowMatchEulerDiscreteScheduler)
     train_options = WrappedTrainOptions
     sample_options = WrappedSampleOptions

@@ -5,7 +5,7 @@ video pipeline; latent caches of fixed clips (preprocess.py --num_frames, --fram
 conditions. Everything else is the image kind's (opendit.families.wrapped.kind)."""
 from dataclasses import dataclass
 
-from opendit.data import LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
+from opendit.data import CLIP_STREAMS, LATENTS, MOVING_DIGITS, VIDEO_CSV, dataset_map
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.wrapped.kind import (DiffusersFamily, WrappedCacheOptions, WrappedSampleOptions,
                                            WrappedTrainOptions)
@@ -28,7 +28,7 @@ class WrappedVideoCacheOptions(ClipCacheOptions, WrappedCacheOptions):
 
 class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
     """A family of one video ModelGlue's models."""
-    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS)
+    datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS, *CLIP_STREAMS)
     train_options = WrappedVideoTrainOptions
     sample_options = WrappedVideoSampleOptions
     cache_options = WrappedVideoCacheOptions

@@ -1,0 +1,264 @@
+"""Sharded streams (--dataset webdataset | parquet | hf): the same samples from each format, an order that is a pure
+function of (seed, epoch) and independent of the world size, exact resume (bitwise at the same world size with
+loader workers, exactly once at another), remote shards over http, and bad input skipped and counted or refused in
+one line."""
+import functools
+import http.server
+import io
+import json
+import os
+import tarfile
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from opendit.data import CaptionedDigitsDataset, ResumableDistributedSampler, build_dataloader
+from opendit.data.shards import write
+from opendit.data.stream_order import stream_order
+from opendit.data.streaming import StreamDataset
+from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.test_train import run_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The first 240 captioned digits at 8 px as tar shards (4 of 60), Parquet (4 files) and a datasets table."""
+    root = tmp_path_factory.mktemp("digit_shards")
+    return write(str(root), "captioned_digits", ("webdataset", "parquet", "hf"), image_size=8, shard_size=60,
+                 limit=240)
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    return tiny_text_encoders(tmp_path_factory.mktemp("stream_encoders"))
+
+
+@pytest.mark.parametrize("kind", ["webdataset", "parquet", "hf"])
+def test_each_format_gives_the_built_in_items(shards, kind):
+    stream = StreamDataset(kind, shards[kind], 8, channels=1)
+    digits = CaptionedDigitsDataset(8, channels=1)
+    assert len(stream) == 240
+    for i in (0, 59, 60, 239):
+        image, caption = stream[i]
+        assert caption == digits[i][1]
+        torch.testing.assert_close(image, digits[i][0], atol=0, rtol=0)
+    labelled = StreamDataset(kind, shards[kind], 8, item="label", num_classes=10)
+    assert labelled[7][1] == int(digits.labels[7]) and labelled[7][0].shape == (3, 8, 8)
+
+
+def test_the_wids_shard_list_spares_counting_and_gives_the_same_stream(shards):
+    folder = os.path.dirname(shards["webdataset"])
+    listed = StreamDataset("webdataset", os.path.join(folder, "dataset.json"), 8)
+    pattern = StreamDataset("webdataset", shards["webdataset"], 8)
+    assert listed.source.sizes == pattern.source.sizes == [60] * 4
+    assert listed[100][1] == pattern[100][1]
+
+
+def test_stream_order_is_a_pure_function_of_seed_and_epoch_and_reads_few_shards_at_a_time():
+    sizes = [50, 70, 30, 90, 60]
+    a = stream_order(sizes, seed=3, epoch=1, global_batch=10, buffer=40)
+    assert torch.equal(a, stream_order(sizes, seed=3, epoch=1, global_batch=10, buffer=40))
+    assert not torch.equal(a, stream_order(sizes, seed=3, epoch=2, global_batch=10, buffer=40))
+    assert sorted(a.tolist()) == list(range(300))  # one partition: every sample once
+    starts = np.cumsum([0] + sizes)
+
+    def shards_of(indices):
+        return set((np.searchsorted(starts, indices.reshape(-1).numpy(), side="right") - 1).tolist())
+
+    for window in range(0, 300, 40):  # a 40-sample window touches at most the shards it straddles
+        assert len(shards_of(a[window:window + 40])) <= 3
+    parted = stream_order(sizes, seed=3, epoch=1, global_batch=8, partitions=4, buffer=40)
+    batches = parted.view(-1, 4, 2)  # each global batch: 2 samples from each of the 4 partitions
+    owned = [shards_of(batches[:, p]) for p in range(4)]
+    assert sorted(len(o) for o in owned) == [1, 1, 1, 2]  # 5 shards dealt to 4 partitions
+    assert set().union(*owned) == {0, 1, 2, 3, 4} and sum(map(len, owned)) == 5  # no shard read by two
+
+
+@pytest.mark.parametrize("partitions", [1, 4])
+def test_resumed_at_another_world_size_each_sample_of_the_epoch_is_seen_once(shards, partitions):
+    stream = StreamDataset("webdataset", shards["webdataset"], 8, shuffle_buffer=50, stream_partitions=partitions)
+
+    def ranks(dp, state=None):
+        samplers = []
+        for rank in range(dp):
+            sampler = build_dataloader(stream, 8, dp, rank, seed=5).sampler
+            if state is not None:
+                sampler.load_state_dict(state)
+            samplers.append(sampler)
+        return samplers
+
+    first = ranks(2)
+    batches = [list(s) for s in first]
+    seen = [i for k in range(5) for r in range(2) for i in batches[r][4 * k:4 * k + 4]]  # 5 steps at 2 ranks
+    for s in first:
+        s.advance(5)
+    state = first[0].state_dict()
+    for dp in (1, 4):
+        rest = [i for s in ranks(dp, state) for i in s]
+        epoch = seen + rest
+        assert len(epoch) == len(set(epoch)) == first[0].epoch_samples(0)
+        assert set(epoch) <= set(range(240))
+        if partitions == 1:
+            assert len(epoch) == 240
+
+
+def test_a_stream_refuses_a_position_saved_for_other_shards(shards, tmp_path):
+    stream = StreamDataset("webdataset", shards["webdataset"], 8)
+    state = build_dataloader(stream, 8, 1, 0, seed=0).sampler.state_dict()
+    other = StreamDataset("parquet", shards["parquet"], 8, shuffle_buffer=7)
+    with pytest.raises(ValueError, match="sharded stream of another layout"):
+        build_dataloader(other, 8, 1, 0, seed=0).sampler.load_state_dict(state)
+    with pytest.raises(ValueError, match="not a multiple of the data-parallel size 2"):
+        ResumableDistributedSampler(240, 2, 0, global_batch_size=8, order=StreamDataset(
+            "webdataset", shards["webdataset"], 8, stream_partitions=3).order)
+
+
+@pytest.mark.parametrize("kind", ["webdataset", "parquet"])
+def test_training_from_a_stream_resumes_bitwise_with_loader_workers(tmp_path, shards, encoders, kind):
+    cfg = functools.partial(flux_cfg, encoders=encoders, dataset=kind, data_path=shards[kind], num_workers=2,
+                            shuffle_buffer=50, crop="random")
+    _, full = run_trainer(cfg(tmp_path / "a", max_steps=4, ckpt_every=2))
+    run_trainer(cfg(tmp_path / "b", max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:] and all(np.isfinite(full))
+
+
+# ---- remote shards --------------------------------------------------------------------------------------------
+class _Server:
+    """Files of `root` over http on 127.0.0.1; `fail_first` requests answer 503 first."""
+
+    def __init__(self, root, fail_first=0):
+        state = {"fail": fail_first, "requests": 0}
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args, **kw):
+                super().__init__(*args, directory=str(root), **kw)
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                state["requests"] += 1
+                if state["fail"] > 0:
+                    state["fail"] -= 1
+                    self.send_error(503, "busy")
+                    return
+                super().do_GET()
+
+            def log_message(self, *args):
+                pass
+
+        self.state = state
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_http_shards_are_fetched_once_with_retries_and_a_dead_url_stops_with_its_name(shards, tmp_path, monkeypatch):
+    from opendit.data import fetch
+
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
+    folder = os.path.dirname(shards["webdataset"])
+    server = _Server(folder, fail_first=2)
+    try:
+        url = server.url + "/{00000..00003}.tar"
+        stream = StreamDataset("webdataset", url, 8, channels=1, shard_cache=str(tmp_path / "cache"))
+        local = StreamDataset("webdataset", shards["webdataset"], 8, channels=1)
+        assert stream.source.sizes == local.source.sizes
+        torch.testing.assert_close(stream[130][0], local[130][0], atol=0, rtol=0)
+        fetched = server.state["requests"]
+        assert fetched == 4 + 2  # each shard once; the two 503s retried
+        StreamDataset("webdataset", url, 8, shard_cache=str(tmp_path / "cache"))
+        assert server.state["requests"] == fetched  # the machine's copies are reused
+        assert not [f for f in os.listdir(tmp_path / "cache") if ".part" in f]
+        with pytest.raises(fetch.ShardUnavailable, match=r"shard http://127\.0\.0\.1:\d+/00009\.tar .*HTTP 404"):
+            StreamDataset("webdataset", server.url + "/00009.tar", 8, shard_cache=str(tmp_path / "cache"))
+    finally:
+        server.close()
+    monkeypatch.setattr(fetch, "RETRIES", 2)
+    with pytest.raises(fetch.ShardUnavailable, match=r"00000\.tar is unreachable after 3 tries"):
+        StreamDataset("webdataset", server.url + "/00000.tar", 8, shard_cache=str(tmp_path / "other"))
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+def _tar(path, samples):
+    with tarfile.open(path, "w") as archive:
+        for name, data in samples:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+def _png(seed, size=(12, 12)):
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_bad_samples_are_skipped_and_counted_and_the_run_goes_on(tmp_path, caplog):
+    from opendit.data import count_skipped
+
+    good = [(f"{i:03d}.png", _png(i)) for i in range(6)]
+    samples = []
+    for i, (name, data) in enumerate(good):
+        samples += [(name, data), (f"{i:03d}.txt", f"caption {i}".encode())]
+    samples += [("100.png", b"not an image"), ("100.txt", b"broken")]  # undecodable
+    samples += [("101.png", _png(9))]  # no caption
+    samples += [("102.png", _png(10, (40, 10))), ("102.txt", b"too wide")]  # filtered by --max_aspect
+    samples += [("103.png", _png(11)), ("103.txt", b"x")]  # filtered by --min_caption_chars
+    _tar(tmp_path / "a.tar", samples)
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "b.tar").write_bytes(data[: len(data) // 2])  # truncated inside a member
+    stream = StreamDataset("webdataset", str(tmp_path / "{a,b}.tar"), 8, max_aspect=2.0, min_caption_chars=3)
+    assert "truncated or corrupt" in caplog.text
+    assert len(stream) > 10
+    items = [stream[i] for i in range(10)]
+    assert all(caption.startswith("caption") for _, caption in items)
+    assert count_skipped(stream) == 4
+    assert "no caption" in caplog.text and "--max_aspect" in caplog.text and "--min_caption_chars" in caplog.text
+
+
+def test_a_corrupt_header_is_skipped_to_the_next_member(tmp_path):
+    samples = []
+    for i in range(4):
+        samples += [(f"{i:03d}.png", _png(i)), (f"{i:03d}.txt", f"caption {i}".encode())]
+    _tar(tmp_path / "a.tar", samples)
+    data = bytearray((tmp_path / "a.tar").read_bytes())
+    start = data.index(b"001.png")
+    data[start:start + 100] = b"\xff" * 100  # the header of sample 1's image
+    (tmp_path / "a.tar").write_bytes(bytes(data))
+    stream = StreamDataset("webdataset", str(tmp_path / "a.tar"), 8)
+    keys = [stream.source.where(i).split("#")[1] for i in range(len(stream))]
+    assert "003" in keys and "000" in keys
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("missing/{00000..00003}.tar", "4 of the 4 shards of 'missing/{00000..00003}.tar' do not exist"),
+    ("", "names no shards"),
+])
+def test_a_missing_shard_is_one_error_line_before_any_model(tmp_path, spec, message, encoders):
+    from opendit.families import flux  # noqa: F401 - registered
+
+    cfg = flux_cfg(tmp_path, encoders, dataset="webdataset", data_path=spec)
+    with pytest.raises((FileNotFoundError, ValueError), match=message.replace("{", r"\{").replace("}", r"\}")):
+        run_trainer(cfg)
+    assert not list(tmp_path.glob("*/checkpoints"))
+
+
+def test_the_digits_writer_is_read_by_webdataset_and_datasets(shards):
+    import datasets
+    import webdataset as wds
+
+    folder = os.path.dirname(shards["webdataset"])
+    first = next(iter(wds.WebDataset(os.path.join(folder, "00000.tar"), shardshuffle=False)))
+    assert set(first) >= {"__key__", "png", "txt", "cls", "json"}
+    assert json.loads(first["json"])["caption"] == first["txt"].decode()
+    table = datasets.load_dataset("parquet", data_files=os.path.join(shards["parquet"], "*.parquet"), split="train")
+    assert len(table) == 240 and table[0]["caption"] == first["txt"].decode()
