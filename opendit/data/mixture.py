@@ -111,7 +111,7 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
             raise ValueError(f"{where}: kind {spec.name!r} needs a path: <{spec.path}>")
         if not spec.path and table.get("path"):
             raise ValueError(f"{where}: kind {spec.name!r} is built in and takes no path; leave path out")
-        if table.get("path") and not Path(table["path"]).exists():
+        if table.get("path") and not spec.pattern and not Path(table["path"]).exists():
             raise FileNotFoundError(f"{where}: path {table['path']!r} does not exist")
         repeats = table.get("repeats", 1)
         if repeats < 1:

@@ -20,7 +20,8 @@ class DatasetSpec:
     built-in dataset of the same kind, named when the path is missing. cache: a latent cache written by
     preprocess.py (its image size comes from the cache; not a source to encode). channels: the data's own (1 for
     the grey digits), what a pixel-space model sees. settings: names of the run's options its build takes as
-    keyword arguments as they are (e.g. caption_extension)."""
+    keyword arguments as they are (e.g. caption_extension). pattern: the path may be a pattern or a URL (sharded
+    streams), which the dataset checks itself when built, rather than a file that must exist."""
     name: str
     help: str
     build: Callable[..., Dataset]
@@ -29,6 +30,7 @@ class DatasetSpec:
     cache: bool = False
     channels: int = 3
     settings: tuple[str, ...] = ()
+    pattern: bool = False
 
     @property
     def built_in(self) -> bool:

@@ -179,7 +179,7 @@ class StreamDataset(Dataset):
             columns = tuple(k.split(":")[-1] if not k.startswith("json:") else "json"
                             for k in self.media_keys + self.caption_keys + self.label_keys) + ("metadata",)
             self.source = SOURCES[kind](spec, columns)
-        self.kind, self.data_path = kind, str(spec)
+        self.format, self.data_path = kind, str(spec)
         self.order = StreamOrder(self.source.sizes, stream_partitions, shuffle_buffer)
         self.samples = _Names(self.source)
         self.skips = SkipLog(self.skipped_kind, logger)
@@ -204,8 +204,13 @@ class StreamDataset(Dataset):
         return first_readable(self, index, lambda i: self._read(i, index))
 
     def _all_unreadable(self, n: int) -> str:
-        return self.skips.all_unreadable(f"all {n} samples of {self.kind} {self.data_path!r}",
+        return self.skips.all_unreadable(f"all {n} samples of {self.format} {self.data_path!r}",
                                          "captioned_digits" if self.item == "caption" else "digits")
+
+    @property
+    def kind(self) -> str:
+        """What conditions the items, as the video CSV names it: "label" or "caption"."""
+        return "label" if self.num_classes else "caption"
 
     # ---- fields -----------------------------------------------------------------------------------------------
     def caption(self, index: int) -> str | None:
@@ -313,7 +318,7 @@ def stream_specs(item: str) -> tuple[DatasetSpec, ...]:
     """The three streamed --dataset kinds, giving items of `item` kind (see ITEMS)."""
     extra = ("num_classes",) if item != "caption" else ()
     return tuple(DatasetSpec(kind, HELPS[kind], _builder(kind, item), path=PATHS[kind], demo=DEMOS[item],
-                             settings=STREAM_SETTINGS + extra) for kind in ("webdataset", "parquet", "hf"))
+                             settings=STREAM_SETTINGS + extra, pattern=True) for kind in SOURCES)
 
 
 def _builder(kind: str, item: str):

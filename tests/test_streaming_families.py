@@ -1,0 +1,108 @@
+"""Every registered family trains from a sharded stream: its debug model, its tiny encoders, the demo digits (or
+moving digits) written as WebDataset tar shards, a --dataset_config entry for the image families. A family that
+gains no stream datasets fails the coverage test."""
+import functools
+import os
+
+import numpy as np
+import pytest
+
+from opendit import config as cfglib
+from opendit.data.shards import write
+from opendit.families import FAMILIES
+from tests.test_train import run_trainer
+
+
+def _flux_pipe(root):
+    from tests.test_flux_family import tiny_text_encoders
+
+    t5, clip = tiny_text_encoders(root)
+    pipe = root / "pipe"
+    pipe.mkdir()
+    for name, target in (("text_encoder", clip), ("tokenizer", clip), ("text_encoder_2", t5), ("tokenizer_2", t5)):
+        os.symlink(target, pipe / name)
+    return {"text_encoder": str(pipe)}
+
+
+def _flux(root):
+    from tests.test_flux_family import tiny_text_encoders
+
+    t5, clip = tiny_text_encoders(root)
+    return {"t5": t5, "clip": clip}
+
+
+def _qwen3(root):
+    from opendit.families.wrapped.flux2 import save_tiny_qwen3
+    return {"text_encoder": save_tiny_qwen3(root)}
+
+
+def _qwen25vl(root):
+    from opendit.families.wrapped.qwenimage import save_tiny_qwen25vl
+    return {"text_encoder": save_tiny_qwen25vl(root)}
+
+
+def _hv15(root):
+    from opendit.families.wrapped.hunyuanvideo15 import save_tiny_text_encoders
+    return {"text_encoder": save_tiny_text_encoders(root)}
+
+
+def _umt5(flag, root):
+    from opendit.families.wan.tiny_umt5 import save_tiny_umt5
+    return {flag: save_tiny_umt5(root / "umt5", max_length=16)}
+
+
+IMAGE = dict(image_size=8)
+CLIP = dict(image_size=8, num_frames=3)
+# family -> (debug model, its encoders' flags made under a folder, settings, clips?)
+TABLE = {
+    "dit": ("DiT-debug", lambda root: {}, dict(IMAGE, num_classes=10), False),
+    "flux": ("flux-debug", _flux, IMAGE, False),
+    "flux1": ("flux1-debug-diffusers", _flux_pipe, dict(IMAGE, vae="none"), False),
+    "flux2": ("flux2-klein-debug", _qwen3, dict(IMAGE, vae="none"), False),
+    "zimage": ("z-image-debug", _qwen3, dict(IMAGE, vae="none"), False),
+    "qwenimage": ("qwen-image-debug", _qwen25vl, dict(IMAGE, vae="none"), False),
+    "video": ("Latte-debug", lambda root: {}, dict(CLIP, num_classes=10), True),
+    "wan": ("Wan-debug", functools.partial(_umt5, "umt5"), CLIP, True),
+    "wan21": ("wan-debug-diffusers", functools.partial(_umt5, "text_encoder"), dict(CLIP, image_size=16,
+                                                                                    num_frames=5, vae="none"), True),
+    "hunyuanvideo15": ("hunyuanvideo1.5-debug", _hv15, dict(CLIP, num_frames=5, vae="none"), True),
+}
+
+
+@pytest.fixture(scope="module")
+def shard_paths(tmp_path_factory):
+    """{False: captioned digit shards, True: moving digit clip shards} (tar patterns)."""
+    root = tmp_path_factory.mktemp("family_shards")
+    images = write(str(root / "images"), "captioned_digits", ("webdataset",), image_size=8, shard_size=16, limit=48)
+    clips = write(str(root / "clips"), "moving_digits", ("webdataset",), image_size=16, shard_size=8, limit=16,
+                  num_frames=6)
+    return {False: images["webdataset"], True: clips["webdataset"]}
+
+
+def test_every_registered_family_offers_the_three_streams():
+    for name, family in FAMILIES.items():
+        assert {"webdataset", "parquet", "hf"} <= set(family.datasets), name
+    assert set(TABLE) == set(FAMILIES), "add the new family's debug run to TABLE"
+
+
+@pytest.mark.parametrize("family", sorted(TABLE))
+def test_the_family_trains_from_tar_shards(tmp_path, shard_paths, family):
+    model, encoders, settings, clips = TABLE[family]
+    cfg = cfglib.TrainConfig(model=model, dataset="webdataset", data_path=shard_paths[clips], batch_size=4,
+                             max_steps=2, log_every=1, ckpt_every=100, num_workers=0, outputs=str(tmp_path / "run"),
+                             lr=1e-3, ema_decay=0.9, **encoders(tmp_path), **settings)
+    trainer, losses = run_trainer(cfg)
+    assert len(losses) == 2 and all(np.isfinite(losses)), family
+    assert trainer.loader.sampler.order is not None  # the stream's own order, not a map-style permutation
+
+
+def test_a_stream_mixes_with_a_folder_in_a_dataset_config(tmp_path, shard_paths):
+    config = tmp_path / "data.toml"
+    config.write_text(f'[[datasets]]\nkind = "webdataset"\npath = "{shard_paths[False]}"\nrepeats = 2\n'
+                      f'trigger = "sks"\n\n[[datasets]]\nkind = "captioned_digits"\n')
+    cfg = cfglib.TrainConfig(model="flux-debug", dataset_config=str(config), image_size=8, batch_size=4, max_steps=2,
+                             log_every=1, num_workers=0, outputs=str(tmp_path / "run"), lr=1e-3, ema_decay=0.9,
+                             **_flux(tmp_path))
+    trainer, losses = run_trainer(cfg)
+    assert all(np.isfinite(losses)) and len(trainer.dataset) == 2 * 48 + 1797
+    assert trainer.dataset[0][1].startswith("sks")
