@@ -7,6 +7,13 @@
 #   RECIPE=digits bash train_flux.sh                                             # CPU demo
 #   RECIPE=lora_digits bash train_flux.sh                                        # CPU LoRA demo (extra flags: LoRA)
 #   RECIPE=finetune FLUX=/models/FLUX.1-dev DATA=/data/my_images bash train_flux.sh
+#   RECIPE=digits_shards bash train_flux.sh                                      # the demo from tar shards
+#   RECIPE=cc12m NGPU=8 FLUX=/models/FLUX.1-schnell DATA=/data/cc12m/dataset.json VAL=/data/coco_val.json bash train_flux.sh
+# RECIPE=cc12m is torchtitan's FLUX.1 [schnell] pretraining recipe (from scratch, 256 px, 64 samples per GPU, AdamW
+# 1e-4 with 3,000 warm-up steps, clip 1.0, text dropout 0.447, 30,000 steps, full activation checkpointing, FSDP)
+# streamed from a local copy of cc12m-wds (DATA: its shard list, python -m opendit.data.shards --list, or a pattern;
+# each rank reads its own partition of the shards); VAL (optional): held-out shards scored every 1,000 steps at 8
+# fixed timesteps (MLPerf's validation loss).
 # FLUX is a local copy of the FLUX.1-dev repository (flux1-dev.safetensors, vae/, text_encoder/, tokenizer/,
 # text_encoder_2/, tokenizer_2/); DATA a folder of images with a .txt caption beside each (or a CSV / JSONL of
 # path,caption).
@@ -88,6 +95,25 @@ case "$RECIPE" in
     echo "sample: python sample.py --ckpt $lora --prompts \"a handwritten seven\" --cfg_scale 4" \
       "  # or --ckpt $base --lora $lora/lora.safetensors"
     exit 0 ;;
+  digits_shards)
+    MODEL=${MODEL:-flux-debug}
+    ENC=${ENC:-outputs/flux_demo_encoders}
+    SHARDS=${SHARDS:-outputs/digit_shards}
+    [ -f "$ENC/t5/config.json" ] || python -m opendit.families.flux.tiny_t5 "$ENC/t5"
+    [ -f "$ENC/clip/config.json" ] || python -m opendit.encoders.tiny_clip "$ENC/clip" --words digits
+    [ -f "$SHARDS/tar/dataset.json" ] || python -m opendit.data.shards --out "$SHARDS" --formats webdataset
+    set -- --model "$MODEL" --dataset webdataset --data_path "$SHARDS/tar/dataset.json" --image_size 16 --vae none \
+      --t5 "$ENC/t5" --clip "$ENC/clip" --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 \
+      --ckpt_every 1000 --log_every 100 --num_workers 1 "$@" ;;
+  cc12m)
+    FLUX=${FLUX:?set FLUX to a local FLUX.1-schnell folder (vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)}
+    val=()
+    [ -n "${VAL:-}" ] && val=(--val_every 1000 --val_data_path "$VAL" --val_samples 1024 --val_timesteps 8)
+    set -- --model flux-schnell --dataset webdataset --data_path "${DATA:?set DATA to cc12m-wds shards (a .json list or a pattern)}" \
+      --stream_partitions "$NGPU" --image_size 256 --vae "$FLUX/vae" --t5 "$FLUX" --clip "$FLUX" --t5_max_length 256 \
+      --batch_size $((64 * NGPU)) --lr 1e-4 --warmup_steps 3000 --grad_clip 1.0 --max_steps 30000 \
+      --text_dropout_prob 0.447 --plugin fsdp --grad_checkpoint 1 --mixed_precision bf16 --ckpt_every 1000 \
+      --log_every 100 --load auto "${val[@]}" "$@" ;;
   finetune)
     MODEL=${MODEL:-flux-dev}
     FLUX=${FLUX:?set FLUX to a local FLUX.1-dev folder}
@@ -97,7 +123,7 @@ case "$RECIPE" in
       --master_weights bf16_exact --optimizer_offload --optimizer_state_dtype u16 --fused_backward \
       --grad_checkpoint 1 --blocks_to_swap "${SWAP:-45}" --ema_decay 0 --max_steps 2000 --ckpt_every 500 \
       --log_every 10 "$@" ;;
-  *) echo "unknown RECIPE=$RECIPE (digits, lora_digits, finetune)" >&2; exit 2 ;;
+  *) echo "unknown RECIPE=$RECIPE (digits, digits_shards, lora_digits, finetune, cc12m)" >&2; exit 2 ;;
 esac
 if [ "$NGPU" -gt 1 ]; then
   exec torchrun --standalone --nproc_per_node "$NGPU" train.py "$@"

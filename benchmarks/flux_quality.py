@@ -6,6 +6,8 @@ classifier (trained on real digits only) which digit each sample shows.
     python benchmarks/flux_quality.py                      # the docs/flux.md figure (at most 20 min on 2 CPU cores)
     python benchmarks/flux_quality.py --model flux2-klein-debug    # the same for FLUX.2 [klein] (README's figure)
     python benchmarks/flux_quality.py --max_steps 20 --samples_per_digit 2 --sampling_steps 5     # smoke run
+    python benchmarks/flux_quality.py --dataset webdataset   # the same digits streamed from tar shards (written by
+                                                             # python -m opendit.data.shards when missing)
 
 Prints: the classifier's accuracy on real held-out digits, and the share of samples showing the digit their
 prompt names (target >= 80%).
@@ -56,8 +58,16 @@ def main():
     p.add_argument("--outputs", default="outputs/flux_quality")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default=None, help="evaluate this checkpoint instead of training one")
+    p.add_argument("--dataset", default="captioned_digits", choices=("captioned_digits", "webdataset", "parquet"),
+                   help="the built-in digits, or the same digits as tar shards / Parquet files under OUTPUTS/shards")
     a = p.parse_args()
     text = encoders(Path(a.outputs) / "encoders", a.model)
+    data = {}
+    if a.dataset != "captioned_digits":
+        from opendit.data.shards import write
+
+        data = dict(data_path=write(str(Path(a.outputs) / "shards"), formats=(a.dataset,),
+                                    image_size=a.image_size)[a.dataset])
 
     train_s = 0.0
     ckpt = a.ckpt
@@ -66,7 +76,7 @@ def main():
 
         t0 = time.time()
         trainer = Trainer(cfglib.TrainConfig(
-            model=a.model, dataset="captioned_digits", image_size=a.image_size, vae="none", **text,
+            model=a.model, dataset=a.dataset, **data, image_size=a.image_size, vae="none", **text,
             batch_size=a.batch_size, lr=a.lr, ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
             log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs, global_seed=a.seed))
         trainer.train()
@@ -83,7 +93,7 @@ def main():
 
     clf, real_acc = train_classifier(a.image_size)
     gen_acc = float((clf.predict(x) == wanted).mean())
-    result = dict(model=a.model, image_size=a.image_size, steps=a.max_steps, batch_size=a.batch_size,
+    result = dict(model=a.model, dataset=a.dataset, image_size=a.image_size, steps=a.max_steps, batch_size=a.batch_size,
                   cfg_scale=a.cfg_scale, sampling_steps=a.sampling_steps, train_seconds=round(train_s, 1),
                   sample_seconds=round(sample_s, 1), samples=n, classifier_accuracy_real_held_out=round(real_acc, 4),
                   prompted_digit_accuracy=round(gen_acc, 4))

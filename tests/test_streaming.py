@@ -50,8 +50,12 @@ def test_each_format_gives_the_built_in_items(shards, kind):
     assert labelled[7][1] == int(digits.labels[7]) and labelled[7][0].shape == (3, 8, 8)
 
 
-def test_the_wids_shard_list_spares_counting_and_gives_the_same_stream(shards):
+def test_the_wids_shard_list_spares_counting_and_gives_the_same_stream(shards, tmp_path):
+    from opendit.data.shards import main
+
     folder = os.path.dirname(shards["webdataset"])
+    main(["--list", shards["webdataset"], "--out", os.path.join(folder, "listed.json")])
+    assert json.load(open(os.path.join(folder, "listed.json"))) == json.load(open(os.path.join(folder, "dataset.json")))
     listed = StreamDataset("webdataset", os.path.join(folder, "dataset.json"), 8)
     pattern = StreamDataset("webdataset", shards["webdataset"], 8)
     assert listed.source.sizes == pattern.source.sizes == [60] * 4
@@ -262,3 +266,54 @@ def test_the_digits_writer_is_read_by_webdataset_and_datasets(shards):
     assert json.loads(first["json"])["caption"] == first["txt"].decode()
     table = datasets.load_dataset("parquet", data_files=os.path.join(shards["parquet"], "*.parquet"), split="train")
     assert len(table) == 240 and table[0]["caption"] == first["txt"].decode()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_workers_resume_bitwise_and_one_rank_continues_their_epoch(tmp_path, shards, encoders):
+    """2 ranks x 2 loader workers, each rank reading its own partition of the shards: stopped at step 2 and resumed,
+    the same losses as without the stop; the 2-rank checkpoint resumed by one process trains on exactly the rest of
+    the epoch's order (what the two ranks had not consumed)."""
+    import torch.distributed as dist
+
+    from opendit.training.loop import Trainer
+    from tests.distributed import run_distributed, train_each
+
+    cfg = functools.partial(flux_cfg, encoders=encoders, dataset="webdataset", data_path=shards["webdataset"],
+                            num_workers=2, shuffle_buffer=50, stream_partitions=2, batch_size=8)
+    full, _, resumed = run_distributed(train_each, 2, [cfg(tmp_path / "a", max_steps=4, ckpt_every=2),
+                                                       cfg(tmp_path / "b", max_steps=2, ckpt_every=2),
+                                                       cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest")])[0]
+    assert resumed == full[2:] and all(np.isfinite(full))
+    try:
+        trainer = Trainer(cfg(tmp_path / "a", max_steps=6, num_workers=0, load="latest"))
+        sampler = trainer.loader.sampler
+        assert (sampler.num_replicas, sampler.consumed) == (1, 32)
+        order = trainer.dataset.order.epoch_order(0, 0, 8)
+        assert list(sampler) == order[32:sampler.epoch_samples()].tolist()  # the rest of the epoch, once each
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_aspect_ratio_buckets_on_a_stream_give_batches_of_one_shape_and_resume_exactly(tmp_path, encoders):
+    """Landscape, portrait and square photos in tar shards, their sizes in each sample's .json (img2dataset's): every
+    global batch is of one bucket, in the stream's window order, and a resumed run equals the uninterrupted one."""
+    import webdataset as wds
+
+    from tests.test_buckets_train import SHAPES
+
+    for shard in range(2):
+        with wds.TarWriter(str(tmp_path / f"{shard}.tar")) as writer:
+            for k in range(12):
+                w, h = SHAPES[k % len(SHAPES)]
+                writer.write({"__key__": f"{shard}{k:03d}", "png": _png(100 * shard + k, (w, h)), "txt": f"photo {k}",
+                              "json": {"width": w, "height": h}})
+    cfg = functools.partial(flux_cfg, encoders=encoders, dataset="webdataset", data_path=str(tmp_path / "{0,1}.tar"),
+                            image_size=16, buckets="auto", batch_size=4, shuffle_buffer=10)
+    trainer, full = run_trainer(cfg(tmp_path / "a", max_steps=4, ckpt_every=2))
+    order = trainer.loader.sampler.permutation()
+    shapes = [{tuple(trainer.dataset[int(i)][0].shape) for i in batch} for batch in order.view(-1, 4)]
+    assert all(len(s) == 1 for s in shapes) and len(set().union(*shapes)) >= 3
+    run_trainer(cfg(tmp_path / "b", max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:] and all(np.isfinite(full))

@@ -46,10 +46,10 @@ def build_dataloader(dataset: Dataset, global_batch_size: int, dp_size: int, dp_
         raise ValueError(
             f"global batch size {global_batch_size} is not divisible by the data-parallel size {dp_size}; "
             f"pick a global batch that is a multiple of {dp_size}")
-    groups = bucket_ids(dataset)
+    order = stream_order_of(dataset)  # a stream's order forms its bucketed batches itself
     sampler = ResumableDistributedSampler(len(dataset), dp_size, dp_rank, shuffle=shuffle, seed=seed,
-                                          drop_last=drop_last, global_batch_size=global_batch_size, groups=groups,
-                                          order=stream_order_of(dataset) if groups is None else None)
+                                          drop_last=drop_last, global_batch_size=global_batch_size,
+                                          groups=bucket_ids(dataset) if order is None else None, order=order)
     loader = ResumableDataLoader(
         dataset,
         batch_size=global_batch_size // dp_size,

@@ -56,7 +56,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.order, self._cached = order, (None, None)  # a stream's order (see the module doc), (epoch, order)
         if order is not None:
             if groups is not None:
-                raise ValueError("aspect-ratio buckets are not supported on a sharded stream yet; leave --buckets out")
+                raise ValueError("a stream's order forms its bucketed batches itself: pass no groups with it")
             order.check(global_batch_size, num_replicas)
         elif self.groups is not None:
             _check_groups(self.groups, dataset_len, global_batch_size, drop_last)

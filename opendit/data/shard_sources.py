@@ -201,7 +201,7 @@ class TarShards(ShardSource):
         if not hasattr(self, "_indexes"):
             self._indexes = {}
         if shard not in self._indexes:
-            if len(self._indexes) >= 64 * OPEN_SHARDS:
+            if len(self._indexes) >= 4 * OPEN_SHARDS:  # a window spans a few shards; indexes are small
                 self._indexes.clear()
             self._indexes[shard] = tar_index(self.local_path(shard))
         return self._indexes[shard]
@@ -330,6 +330,16 @@ class HFSource(ShardSource):
 
 
 SOURCES = {"webdataset": TarShards, "parquet": ParquetShards, "hf": HFSource}
+
+
+def open_source(kind: str, spec: str, shard_cache: str | None = None, hf_args: str | None = None,
+                columns: tuple[str, ...] = ()) -> ShardSource:
+    """The source of --dataset `kind` at `spec` (columns: the Parquet columns to read; default all)."""
+    if kind == "webdataset":
+        return TarShards(spec, shard_cache)
+    if kind == "hf":
+        return HFSource(spec, hf_args)
+    return ParquetShards(spec, columns)
 
 
 def as_bytes(value) -> bytes | None:

@@ -3,6 +3,10 @@
     python -m opendit.data.shards --out data/digit_shards                      # captioned digits, tar + Parquet
     python -m opendit.data.shards --out data/clip_shards --data moving_digits  # moving digits as mp4 members
     python -m opendit.data.shards --out data/digit_shards --formats hf --split train
+    python -m opendit.data.shards --list '/data/cc12m/{00000..02175}.tar' --out /data/cc12m/dataset.json
+
+--list counts the samples of existing tar shards (local paths or URLs) and writes their wids shard list, which a
+run given as --data_path reads instead of indexing every shard at start.
 
 WebDataset tars (written by webdataset's TarWriter): `{key}.png` (or `.mp4`), `{key}.txt` (the caption),
 `{key}.cls` (the digit), `{key}.json` ({"key", "caption", "label", "width", "height"}), in `tar/{00000..}.tar`,
@@ -130,9 +134,30 @@ def write(out: str, data: str = "captioned_digits", formats=FORMATS, image_size:
     return paths
 
 
+def write_shard_list(pattern: str, out: str, cache_dir: str | None = None) -> int:
+    """Count the samples of each shard of `pattern` (as a run would) -> the wids shard list at `out`; total samples.
+    Shard URLs are written relative to `out`'s folder where they lie under it."""
+    from opendit.data.shard_sources import TarShards
+
+    shards = TarShards(pattern, cache_dir)
+    folder = os.path.dirname(os.path.abspath(out))
+    entries = []
+    for name, count in zip(shards.names, shards.sizes):
+        local = os.path.abspath(name) if "://" not in name else None
+        url = os.path.relpath(local, folder) if local and local.startswith(folder + os.sep) else name
+        entries.append({"url": url, "nsamples": int(count)})
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"wids_version": 1, "shardlist": entries}, f, indent=1)
+    os.replace(out + ".tmp", out)
+    return len(shards)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="the folder to write (tar/, parquet/, hf/ inside)")
+    parser.add_argument("--out", required=True, help="the folder to write (tar/, parquet/, hf/ inside); with --list: "
+                                                     "the shard list's .json")
+    parser.add_argument("--list", default=None, metavar="PATTERN",
+                        help="write the wids shard list of these existing tar shards instead of demo data")
     parser.add_argument("--data", default="captioned_digits", choices=("captioned_digits", "moving_digits"))
     parser.add_argument("--formats", nargs="+", default=["webdataset", "parquet"], choices=FORMATS)
     parser.add_argument("--image_size", type=int, default=16, help="pixels of the stored images (or frames)")
@@ -142,6 +167,10 @@ def main(argv=None) -> None:
     parser.add_argument("--num_frames", type=int, default=16, help="moving digits: frames per clip")
     parser.add_argument("--limit", type=int, default=None, help="write only the first N samples")
     args = parser.parse_args(argv)
+    if args.list:
+        total = write_shard_list(args.list, args.out)
+        print(f"{args.out}: {total} samples; train with --dataset webdataset --data_path {args.out}")
+        return
     if args.shard_size <= 0:
         parser.error(f"--shard_size {args.shard_size}: must be > 0")
     paths = write(args.out, args.data, args.formats, args.image_size, args.split, args.shard_size, args.num_frames,

@@ -21,7 +21,8 @@ class DatasetSpec:
     preprocess.py (its image size comes from the cache; not a source to encode). channels: the data's own (1 for
     the grey digits), what a pixel-space model sees. settings: names of the run's options its build takes as
     keyword arguments as they are (e.g. caption_extension). pattern: the path may be a pattern or a URL (sharded
-    streams), which the dataset checks itself when built, rather than a file that must exist."""
+    streams), which the dataset checks itself when built, rather than a file that must exist. probe(data_path, cfg)
+    -> the data's own channels where they vary with the data (a stream's first image: 1 for grey, else 3)."""
     name: str
     help: str
     build: Callable[..., Dataset]
@@ -31,6 +32,11 @@ class DatasetSpec:
     channels: int = 3
     settings: tuple[str, ...] = ()
     pattern: bool = False
+    probe: Callable[..., int] | None = None
+
+    def data_channels(self, data_path, cfg) -> int:
+        """The channels a pixel-space model sees of this data: probed where the spec can, else `channels`."""
+        return self.probe(data_path, cfg) if self.probe is not None and data_path else self.channels
 
     @property
     def built_in(self) -> bool:

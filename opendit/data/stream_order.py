@@ -16,6 +16,11 @@ Nothing here depends on D or on the DataLoader workers: a checkpoint's position 
 same samples at any world size, and a run resumed at D' (P % D' == 0) sees every sample of the epoch exactly once.
 With P > 1 the epoch ends when the shortest partition runs out (the rest of the others waits for the next epoch's
 deal); with P = 1 an epoch is every sample once, the last partial global batch dropped like drop_last.
+
+Aspect-ratio buckets (one partition): the shuffled stream is read in order and each sample joins its bucket's
+queue; a bucket's queue becomes a global batch when it holds G samples, and the batches follow in the order they
+filled up. So a batch is of one bucket, the shuffle window still bounds what is read at a time (plus each bucket's
+partial queue), and each bucket's last partial batch of the epoch waits for the next.
 """
 import hashlib
 
@@ -49,19 +54,42 @@ def partition_streams(sizes, seed: int, epoch: int, partitions: int, buffer: int
 
 
 def stream_order(sizes, seed: int, epoch: int, global_batch: int, partitions: int = 1,
-                 buffer: int = 10_000, shuffle: bool = True) -> torch.Tensor:
-    """int64 [epoch length]: the stream indices of this epoch in global-batch order (see the module doc)."""
+                 buffer: int = 10_000, shuffle: bool = True, groups: np.ndarray | None = None) -> torch.Tensor:
+    """int64 [epoch length]: the stream indices of this epoch in global-batch order (see the module doc); groups:
+    each sample's bucket (-1: never used), for batches of one bucket each."""
     check_layout(len(sizes), global_batch, partitions, buffer)
+    if groups is not None and partitions > 1:
+        raise ValueError(f"aspect-ratio buckets on a stream take one partition; leave --stream_partitions "
+                         f"{partitions} out (or --buckets)")
     if not shuffle:  # in stream order (partition p: its shards in file order)
         streams = [_in_order(sizes, p, partitions) for p in range(partitions)]
     else:
         streams = partition_streams(sizes, seed, epoch, partitions, buffer)
+    if groups is not None:
+        return bucketed(streams[0], groups, global_batch)
     if partitions == 1:
         return streams[0]
     share = global_batch // partitions
     batches = min(len(s) for s in streams) // share
     # [P, batches, share] -> [batches, P, share]: each global batch takes `share` from every partition
     return torch.stack([s[: batches * share].view(batches, share) for s in streams], 1).reshape(-1)
+
+
+def bucketed(stream: torch.Tensor, groups: np.ndarray, global_batch: int) -> torch.Tensor:
+    """The stream cut into global batches of one bucket each, in the order their bucket queues filled up."""
+    groups = np.asarray(groups)[stream.numpy()]
+    batches, completed = [], []
+    for bucket in np.unique(groups[groups >= 0]):
+        positions = np.flatnonzero(groups == bucket)  # where this bucket's samples are in the stream
+        whole = len(positions) // global_batch * global_batch
+        if whole:
+            chunks = positions[:whole].reshape(-1, global_batch)
+            batches.append(chunks)
+            completed.append(chunks[:, -1])  # a batch is ready when its last sample has been read
+    if not batches:
+        return torch.zeros(0, dtype=torch.int64)
+    chunks = np.concatenate(batches)[np.argsort(np.concatenate(completed), kind="stable")]
+    return stream[torch.from_numpy(chunks.reshape(-1))]
 
 
 def _in_order(sizes, p: int, partitions: int) -> torch.Tensor:
@@ -90,9 +118,12 @@ def check_ranks(partitions: int, dp_size: int) -> None:
                          f"pass a multiple of it (or 1), so each rank reads whole partitions")
 
 
-def layout_fingerprint(sizes, global_batch: int, partitions: int, buffer: int, shuffle: bool) -> str:
+def layout_fingerprint(sizes, global_batch: int, partitions: int, buffer: int, shuffle: bool,
+                       groups: np.ndarray | None = None) -> str:
     """What a resumed run must share for the saved position to name the same samples (not the world size)."""
     parts = [np.asarray(sizes, dtype=np.int64).tobytes(), f"{partitions}/{buffer}/{shuffle}".encode()]
+    if groups is not None:  # buckets: the assignment and the batch decide the order
+        parts += [np.ascontiguousarray(groups, dtype=np.int64).tobytes(), str(global_batch).encode()]
     if partitions > 1:  # the global batch decides how partitions interleave
         parts.append(str(global_batch).encode())
     return hashlib.sha256(b"|".join(parts)).hexdigest()[:16]

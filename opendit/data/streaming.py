@@ -13,6 +13,7 @@ corrupt member, or one of the filters: --min_image_size, --max_aspect, --min_cap
 skipped and counted like an unreadable file (opendit/data/skipped.py): its slot is filled by the next usable sample,
 the reason is logged once per kind and the run's skipped count includes it.
 """
+import functools
 import io
 import json
 import logging
@@ -22,12 +23,14 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from opendit.data.shard_sources import SOURCES, TarShards, as_bytes, as_stream
+from opendit.data.buckets import Bucketable
+from opendit.data.shard_sources import SOURCES, as_bytes, as_stream, expand_parquet, expand_shards, open_source
 from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.spec import DatasetSpec
 from opendit.data.stream_order import check_ranks, layout_fingerprint, stream_order
 from opendit.data.transforms import check_image_size, resize_crop, to_signed_tensor
 from opendit.data.video_csv import clip_tensor
+from opendit.data.video_io import video_geometry
 from opendit.seeding import mix_seed
 
 logger = logging.getLogger(__name__)
@@ -50,15 +53,19 @@ class StreamOrder:
 
     def __init__(self, sizes, partitions: int = 1, buffer: int = 10_000):
         self.sizes, self.partitions, self.buffer = list(sizes), int(partitions), int(buffer)
+        self.groups = None  # each sample's aspect-ratio bucket, once the dataset was bucketed
 
     def epoch_order(self, seed: int, epoch: int, global_batch: int, shuffle: bool = True) -> torch.Tensor:
-        return stream_order(self.sizes, seed, epoch, global_batch, self.partitions, self.buffer, shuffle)
+        return stream_order(self.sizes, seed, epoch, global_batch, self.partitions, self.buffer, shuffle, self.groups)
 
     def fingerprint(self, global_batch: int, shuffle: bool = True) -> str:
-        return layout_fingerprint(self.sizes, global_batch, self.partitions, self.buffer, shuffle)
+        return layout_fingerprint(self.sizes, global_batch, self.partitions, self.buffer, shuffle, self.groups)
 
     def check(self, global_batch: int, dp_size: int) -> None:
         check_ranks(self.partitions, dp_size)
+        if self.groups is not None and self.partitions > 1:
+            raise ValueError(f"--buckets on a stream takes one partition; leave --stream_partitions {self.partitions} "
+                             f"out")
         if global_batch % self.partitions:
             raise ValueError(f"--batch_size {global_batch} is not a multiple of --stream_partitions "
                              f"{self.partitions}; pass a batch that is")
@@ -69,9 +76,9 @@ class SubsetOrder:
     positions. One partition only: holding items out of partitions would unbalance them."""
 
     def __init__(self, order: StreamOrder, indices):
-        if order.partitions > 1:
-            raise ValueError("--val_samples holds items out of a stream with --stream_partitions > 1; pass "
-                             "--val_data_path (a held-out stream) instead, or --stream_partitions 1")
+        if order.partitions > 1 or order.groups is not None:
+            raise ValueError("--val_samples holds items out of a stream with --stream_partitions > 1 or --buckets; "
+                             "pass --val_data_path (a held-out stream) instead")
         self.base, self.partitions = order, 1
         self.indices = torch.as_tensor(list(indices), dtype=torch.int64)
 
@@ -139,7 +146,7 @@ class _Names:
         return (self.source.where(i),)
 
 
-class StreamDataset(Dataset):
+class StreamDataset(Bucketable, Dataset):
     """A sharded stream (kind: webdataset, parquet or hf; spec: what --data_path gives) as items of `item` kind.
 
     The crop of item i in epoch e (its position with crop="random", its flip with random_flip, a clip's start) is a
@@ -171,14 +178,9 @@ class StreamDataset(Dataset):
             raise ValueError(f"--dataset {kind} with class labels: pass --num_classes (a stream is not read through "
                              f"to count its labels)")
         self.num_classes = int(num_classes or 0) if item != "caption" else 0
-        if kind == "webdataset":
-            self.source = TarShards(spec, shard_cache)
-        elif kind == "hf":
-            self.source = SOURCES[kind](spec, hf_args)
-        else:
-            columns = tuple(k.split(":")[-1] if not k.startswith("json:") else "json"
-                            for k in self.media_keys + self.caption_keys + self.label_keys) + ("metadata",)
-            self.source = SOURCES[kind](spec, columns)
+        keys = self.media_keys + self.caption_keys + self.label_keys
+        columns = tuple("json" if k.startswith("json:") else k for k in keys) + ("metadata", "width", "height")
+        self.source = open_source(kind, spec, shard_cache, hf_args, columns)
         self.format, self.data_path = kind, str(spec)
         self.order = StreamOrder(self.source.sizes, stream_partitions, shuffle_buffer)
         self.samples = _Names(self.source)
@@ -261,6 +263,28 @@ class StreamDataset(Dataset):
         if aspect and max(width / height, height / width) > aspect:
             raise Unusable(f"{width}x{height} is beyond --max_aspect {aspect:g}")
 
+    # ---- aspect-ratio buckets ---------------------------------------------------------------------------------
+    def item_size(self, index: int) -> tuple[int, int, int | None] | None:
+        """(width, height, frames or None) of sample index: from its metadata (a .json member's or the columns'
+        width and height, as img2dataset writes them), else from the image's or clip's header; None: unreadable."""
+        try:
+            fields = self.source.fields(index)
+            if self.item == "clip":
+                width, height, frames = video_geometry(as_stream(self._media(fields)))
+                return width, height, (frames - 1) // self.frame_interval + 1 if frames > 0 else 0
+            width, height = field(fields, ("json:width", "width")), field(fields, ("json:height", "height"))
+            if width and height:
+                return int(width), int(height), None
+            with Image.open(io.BytesIO(as_bytes(self._media(fields)))) as image:
+                return image.size[0], image.size[1], None
+        except Exception:  # noqa: BLE001 - an unreadable sample is left out of the buckets, as a bad file is skipped
+            return None
+
+    def use_buckets(self, buckets):
+        assignment = super().use_buckets(buckets)
+        self.order.groups = assignment.ids  # the stream's batches: one bucket each
+        return assignment
+
     # ---- decoding -----------------------------------------------------------------------------------------------
     def _position(self, index: int):
         if self.crop == "center":
@@ -268,14 +292,14 @@ class StreamDataset(Dataset):
         mixed = mix_seed(self.seed, self.epoch, index, 1)
         return (mixed % 1001) / 1000, (mixed // 1001 % 1001) / 1000
 
-    def _image(self, data, index: int) -> torch.Tensor:
+    def _image(self, data, i: int, index: int) -> torch.Tensor:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
                 image = image.convert("L" if self.channels == 1 else "RGB")
         self._check_shape(*image.size)
-        image = resize_crop(image, self.image_size, self.image_size, self._position(index))
+        image = resize_crop(image, *self.target_size(i, self.image_size), self._position(index))
         if self.random_flip and mix_seed(self.seed, self.epoch, index) & 1:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return to_signed_tensor(image)
@@ -289,17 +313,18 @@ class StreamDataset(Dataset):
             data = as_stream(media)
             if data is None:
                 raise Unusable("the video field holds no bytes")
-            clip = clip_tensor(data, self.num_frames, self.frame_interval, mix_seed(self.seed, self.epoch, index),
-                               self.image_size, self.image_size, self.channels)
+            frames = self.num_frames if self.buckets is None else self.buckets.size_of(i).frames
+            clip = clip_tensor(data, frames, self.frame_interval, mix_seed(self.seed, self.epoch, index),
+                               *self.target_size(i, self.image_size), self.channels)
             return clip, label, caption
         data = as_bytes(media)
         if data is None:
             raise Unusable("the image field holds no bytes")
         if self.item == "label":
             label = self._label(fields, required=True)
-            return self._image(data, index), label
+            return self._image(data, i, index), label
         caption = self._caption(fields, required=True)
-        return self._image(data, index), caption
+        return self._image(data, i, index), caption
 
 
 STREAM_SETTINGS = ("image_key", "caption_key", "label_key", "shuffle_buffer", "stream_partitions", "min_image_size",
@@ -318,7 +343,26 @@ def stream_specs(item: str) -> tuple[DatasetSpec, ...]:
     """The three streamed --dataset kinds, giving items of `item` kind (see ITEMS)."""
     extra = ("num_classes",) if item != "caption" else ()
     return tuple(DatasetSpec(kind, HELPS[kind], _builder(kind, item), path=PATHS[kind], demo=DEMOS[item],
-                             settings=STREAM_SETTINGS + extra, pattern=True) for kind in SOURCES)
+                             settings=STREAM_SETTINGS + extra, pattern=True,
+                             probe=None if item == "clip" else functools.partial(probe_channels, kind))
+                 for kind in SOURCES)
+
+
+def probe_channels(kind: str, data_path: str, cfg) -> int:
+    """1 when the stream's first image is grey (mode L, as the demo shards write it), else 3; reads one sample of the
+    first shard only."""
+    first = data_path
+    if kind == "webdataset" and not str(data_path).endswith(".json"):
+        first = expand_shards(data_path)[0]
+    elif kind == "parquet":
+        first = expand_parquet(data_path)[0]
+    try:
+        source = open_source(kind, first, getattr(cfg, "shard_cache", None), getattr(cfg, "hf_args", None))
+        value = field(source.fields(0), _keys(getattr(cfg, "image_key", None), DEFAULT_KEYS["image"]))
+        with Image.open(io.BytesIO(as_bytes(value))) as image:
+            return 1 if image.mode in ("L", "LA", "1", "I;16") else 3
+    except Exception:  # noqa: BLE001 - an unreadable first sample: the build names the problem; RGB meanwhile
+        return 3
 
 
 def _builder(kind: str, item: str):

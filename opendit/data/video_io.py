@@ -61,7 +61,7 @@ def video_geometry(path: str) -> tuple[int, int, int]:
     pass; nothing decoded)."""
     av = require_av()
     try:
-        with av.open(os.fspath(path)) as container:
+        with av.open(path if hasattr(path, "read") else os.fspath(path)) as container:
             stream = _video_stream(container, path)
             return stream.codec_context.width, stream.codec_context.height, _count_frames(container, stream)
     except av.error.FileNotFoundError:

@@ -157,7 +157,7 @@ class LatentImageFamily(ModelFamily):
     def pixel_channels(self, cfg) -> int:
         """Channels of pixel-space data when nothing else says: the dataset's own (1 for the grey digits)."""
         spec = self.datasets.get(cfg.dataset)
-        return spec.channels if spec is not None else 3
+        return spec.data_channels(cfg.data_path, cfg) if spec is not None else 3
 
     def source_channels(self, cfg, encoders) -> int:
         """Channels a dataset should deliver: RGB for a VAE, else the data's own."""

@@ -16,7 +16,7 @@ from opendit.booster.precision import compute_dtype, set_tf32
 from opendit.checkpoint import (find_resume_checkpoint, latest_run_checkpoint, load_checkpoint, load_into_meta_model,
                                 new_run_dir, resolve_checkpoint)
 from opendit.data import count_skipped
-from opendit.data.buckets import bucket_summary
+from opendit.data.buckets import bucket_ids, bucket_summary
 from opendit.data.mixture import MixedDataset, first_dataset, load_mixture, read_dataset_config
 from opendit.distributed import all_reduce_mean, broadcast_object, default_num_workers, init_distributed
 from opendit.ema import ShardedEMA
@@ -192,9 +192,9 @@ class Trainer:
             model, optimizer, dataloader=loader, lr_scheduler=scheduler, data_seed=cfg.global_seed)
         if isinstance(self.dataset, MixedDataset):
             logger.info("datasets (--dataset_config %s):\n%s", cfg.dataset_config, self.dataset.summary(cfg.batch_size))
-        elif self.loader.sampler.groups is not None:
+        elif bucket_ids(train_data) is not None:  # (a stream's buckets are in its order, not the sampler's groups)
             logger.info("aspect-ratio buckets (--buckets %s):\n%s", cfg.buckets, bucket_summary(
-                self.loader.sampler.groups, self.dataset.buckets.buckets, cfg.batch_size))
+                bucket_ids(train_data), self.dataset.buckets.buckets, cfg.batch_size))
         # hooks go on the boosted (sharded) parameters; FSDP2 runs them after the gradient's reduce-scatter
         self.fused = prepare_boosted_optimizer(self.optimizer, self.optim_settings)
         if isinstance(self.optimizer, LeanOptimizer) and self.optimizer.multi_tensor_ready():
