@@ -24,6 +24,7 @@ import torch.distributed as dist
 from opendit import config as cfglib
 from opendit.cli import parse_config, run_entry, say, setup_finished
 from opendit.data.buckets import bucket_assignment, bucket_ids
+from opendit.data.latent_shards import clear_range, mark_done, range_done, tar_shard_writer
 from opendit.data.latents import (ARRAYS, CACHE_DTYPES, CACHE_VERSION, FLIP_ARRAYS, MANIFEST, PARTIAL_SUFFIX,
                                   write_shard)
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
@@ -44,7 +45,7 @@ class _Tagged(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         index = self.indices[i]
-        return *self.dataset[index], index not in getattr(self.dataset, "_bad", ())
+        return *self.dataset[index], index, index not in getattr(self.dataset, "_bad", ())
 
 
 def _progress(done, total, start, skipped):
@@ -63,31 +64,35 @@ def _by_bucket(indices: list[int], ids) -> list[tuple[int | None, list[int]]]:
 
 
 def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers,
-                 ids=None):
+                 ids=None, write=None):
     """Encode dataset[indices] with encode(x, captions) -> {"mean", "std"[, text embeddings]} into shards
     r<rank>-<k> under folder -> (shard entries, skipped count, per-item latent shape or None when nothing was
     encoded). Captions (sources that have them) are stored beside the labels. With aspect-ratio buckets (ids: each
     item's bucket) the slice is encoded bucket by bucket and every shard holds one bucket (its entry records the
-    bucket and latent shape)."""
+    bucket and latent shape). write(folder, stem, arrays, keys) writes a shard (keys: its items' source indices);
+    default: .npy files."""
+    write = write or (lambda folder, stem, arrays, keys: write_shard(folder, stem, arrays))
     groups = _by_bucket(indices, ids)
     skipped = len(indices) - sum(len(part) for _, part in groups)  # unreadable headers: left out of the buckets
-    shards, buf, done, start, last, shape = [], {}, 0, time.time(), 0.0, None
+    shards, buf, keys, done, start, last, shape = [], {}, [], 0, time.time(), 0.0, None
 
     def flush(bucket):
         if buf and len(buf["label"]):
             arrays = {k: np.concatenate(v) for k, v in buf.items()}
             embeddings = [k for k in arrays if k not in (*ARRAYS, *FLIP_ARRAYS, "label", "caption")]
-            entry = {**write_shard(folder, f"r{rank:03d}-{len(shards):05d}", arrays),
+            entry = {**write(folder, f"r{rank:03d}-{len(shards):05d}", arrays, list(keys)),
                      "captions": "caption" in arrays, "embeddings": embeddings}
             if bucket is not None:
                 entry.update(bucket=bucket, latent_shape=list(arrays["mean"].shape[1:]))
             shards.append(entry)
         buf.clear()
+        keys.clear()
 
     for bucket, part in groups:
         loader = torch.utils.data.DataLoader(_Tagged(dataset, part), batch_size=batch_size, num_workers=num_workers)
-        for *item, ok in loader:
+        for *item, index, ok in loader:
             skipped += int((~ok).sum())
+            keys.extend(index[ok].tolist())
             x, y = item[0][ok], item[1][ok]
             captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
             if len(y):
@@ -112,6 +117,50 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
     return shards, skipped, shape
 
 
+def encode_ranges(encode, dataset, folder, rank, world, cfg, ids=None):
+    """--cache_format webdataset: shard range j (source items [j * S, (j + 1) * S)) of every j = rank mod world,
+    each written as tar pieces and marked done; a range already done (an interrupted run's, --skip_existing) is kept
+    as it is -> (shard entries, skipped count, per-item latent shape or None), as encode_slice."""
+    n, size = len(dataset), cfg.shard_size
+    shards, skipped, shape, kept = [], 0, None, 0
+    for j in range(rank, -(-n // size), world):
+        done = range_done(folder, j)
+        if done is None:
+            clear_range(folder, j)  # an interrupted range: written whole again
+            indices = list(range(j * size, min(n, (j + 1) * size)))
+            pieces, lost, piece_shape = encode_slice(encode, dataset, indices, folder, rank, cfg.batch_size,
+                                                     cfg.flip_both, np.dtype(cfg.dtype), size, cfg.num_workers, ids=ids,
+                                                     write=tar_shard_writer(j))
+            mark_done(folder, j, pieces, lost, piece_shape)
+            done = range_done(folder, j)
+        else:
+            kept += 1
+        shards += done["pieces"]
+        skipped += done["skipped"]
+        shape = shape or done["shape"]
+    if kept:
+        logger.info("rank %d kept %d finished shard range(s) of the interrupted run (--skip_existing)", rank, kept)
+    return shards, skipped, shape
+
+
+def _resume_partial(partial: str, cfg) -> None:
+    """--skip_existing: the interrupted run in `partial` must have been made with the same settings."""
+    settings = {k: getattr(cfg, k) for k in ("family", "dataset", "data_path", "image_size", "buckets", "bucket_area",
+                                             "vae", "model", "flip_both", "dtype", "shard_size")}
+    path = os.path.join(partial, "settings.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        differ = {k: (before.get(k), v) for k, v in json.loads(json.dumps(settings)).items() if before.get(k) != v}
+        if differ:
+            raise ValueError(f"--skip_existing: the interrupted cache {partial!r} was written with "
+                             f"{', '.join(f'{k}={a!r}' for k, (a, _) in differ.items())}, this run has "
+                             f"{', '.join(f'{k}={b!r}' for k, (_, b) in differ.items())}; pass the same flags, or "
+                             f"leave out --skip_existing to start it afresh")
+    with open(path, "w") as f:
+        json.dump(settings, f)
+
+
 def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     """Encode the dataset into the cache folder cfg.out (all ranks call this) -> the manifest."""
     info = init_distributed()
@@ -130,17 +179,27 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     encoders = family.cache_encoders(cfg, info.device)
     dataset = family.cache_source(cfg, encoders)
     partial = out + PARTIAL_SUFFIX
-    if info.rank == 0:  # a previous interrupted run's leftovers are discarded
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+    keep = cfg.skip_existing and cfg.cache_format == "webdataset"
+    if cfg.skip_existing and not keep:
+        raise ValueError("--skip_existing keeps finished shards of a --cache_format webdataset cache; add "
+                         "--cache_format webdataset (a .npy cache is written whole)")
+    if info.rank == 0:  # a previous interrupted run's leftovers are discarded, unless kept to resume
+        if not keep:
+            shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial, exist_ok=True)
+        if keep:
+            _resume_partial(partial, cfg)
     dist.barrier()
     setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     # contiguous, deterministic slices: the cache's item order is the dataset's, whatever the world size
     n, w, r = len(dataset), info.world_size, info.rank
-    indices = list(range(r * n // w, (r + 1) * n // w))
-    shards, skipped, shape = encode_slice(lambda x, c: family.cache_encode(encoders, x, c), dataset, indices, partial,
-                                          r, cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
-                                          cfg.num_workers, ids=bucket_ids(dataset))
+    encode = lambda x, c: family.cache_encode(encoders, x, c)  # noqa: E731
+    if cfg.cache_format == "webdataset":
+        shards, skipped, shape = encode_ranges(encode, dataset, partial, r, w, cfg, ids=bucket_ids(dataset))
+    else:
+        shards, skipped, shape = encode_slice(encode, dataset, list(range(r * n // w, (r + 1) * n // w)), partial,
+                                              r, cfg.batch_size, cfg.flip_both, np.dtype(cfg.dtype), cfg.shard_size,
+                                              cfg.num_workers, ids=bucket_ids(dataset))
     gathered = [None] * w
     dist.all_gather_object(gathered, (shards, skipped, shape))
     manifest = None
@@ -170,10 +229,12 @@ def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
     if not shapes:
         raise ValueError(f"no item of --dataset {cfg.dataset} could be read; nothing to cache")
     all_shards = [s for rank_shards, _, _ in gathered for s in rank_shards]
+    if cfg.cache_format == "webdataset":  # the source's order, whichever rank wrote a range
+        all_shards.sort(key=lambda entry: entry["stem"])
     assignment = bucket_assignment(dataset)
     buckets = None if assignment is None else assignment.buckets
     manifest = dict(
-        version=CACHE_VERSION, family=family.name,
+        version=CACHE_VERSION, family=family.name, format=cfg.cache_format,
         stores="VAE posterior mean and std, unscaled (latent = (mean + std * noise) * vae_scale)",
         vae=str(cfg.vae), vae_scale=float(cfg.vae_scale), image_size=int(cfg.image_size),
         latent_shape=shapes[0] if buckets is None else square_latent_shape(cfg.image_size, all_shards, buckets),

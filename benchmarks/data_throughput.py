@@ -1,6 +1,7 @@
 """Data loading throughput: samples per second per DataLoader worker from WebDataset tar shards, Parquet files and a
-plain folder holding the same photos (JPEG decode + resize + center crop to 256 and 512 px), and how many workers a
-FLUX.1 [schnell] 256 px training step needs per GPU.
+plain folder holding the same photos (JPEG decode + resize + center crop to 256 and 512 px), from a latent cache
+(FLUX.1's 16 x 32 x 32 posterior of a 256 px image, mean and std in fp16) as .npy shards and as streamed tar shards,
+and how many workers a FLUX.1 [schnell] 256 px training step needs per GPU.
 
     python benchmarks/data_throughput.py                              # the README table (about 5 min on 2 cores)
     python benchmarks/data_throughput.py --samples 64 --sizes 256 --workers 1   # smoke run
@@ -57,6 +58,37 @@ def write_layouts(root: Path, samples: int) -> dict[str, tuple[str, str]]:
             "Parquet": ("parquet", str(root / "parquet"))}
 
 
+def write_latent_caches(root: Path, samples: int, shard: int = 256) -> dict[str, str]:
+    """The same random posteriors as a .npy cache and a tar cache (what preprocess.py writes) -> {layout: folder}."""
+    import json
+
+    from opendit.data.latent_shards import tar_shard_writer
+    from opendit.data.latents import CACHE_VERSION, write_shard
+
+    rng = np.random.default_rng(0)
+    folders = {}
+    for layout, fmt in (("latent cache (.npy)", "npy"), ("latent cache (tar, streamed)", "webdataset")):
+        folder = root / fmt
+        folder.mkdir()
+        entries = []
+        for j, start in enumerate(range(0, samples, shard)):
+            count = min(shard, samples - start)
+            arrays = {"mean": rng.standard_normal((count, 16, 32, 32)).astype(np.float16),
+                      "std": rng.random((count, 16, 32, 32)).astype(np.float16),
+                      "label": np.zeros(count, dtype=np.int64)}
+            if fmt == "npy":
+                entries.append(write_shard(str(folder), f"r000-{j:05d}", arrays))
+            else:
+                keys = list(range(start, start + count))
+                entries.append(tar_shard_writer(j)(str(folder), "r000-00000", arrays, keys))
+        manifest = dict(version=CACHE_VERSION, format=fmt, family="flux", image_size=256, latent_shape=[16, 32, 32],
+                        num_classes=0, classes=[], flip_both=False, captions=False, embeddings=[], count=samples,
+                        shards=entries)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        folders[layout] = str(folder)
+    return folders
+
+
 def dataset(kind: str, path: str, size: int):
     if kind == "captions":
         return CaptionedImageDataset(path, size)
@@ -69,8 +101,8 @@ def throughput(data, workers: int, batch: int = 16) -> float:
     it = iter(loader)
     next(it)
     count, start = 0, time.perf_counter()
-    for images, _ in it:
-        count += len(images)
+    for batch_items in it:
+        count += len(batch_items[1])
     return count / (time.perf_counter() - start)
 
 
@@ -98,7 +130,7 @@ def main():
         megabytes = sum(f.stat().st_size for f in (Path(tmp) / "folder").glob("*.jpg")) / a.samples / 1e6
         print(f"{a.samples} synthetic 768x576 JPEG photos ({megabytes * 1000:.0f} KB each), batch 16, "
               f"{os.cpu_count()} CPU cores, torch {torch.__version__}\n")
-        print("| layout | size | workers | samples/s | per worker | vs folder |")
+        print("| layout | size | workers | samples/s | per worker | vs the first row of its kind |")
         print("|---|---:|---:|---:|---:|---:|")
         per_worker = {}
         for size in a.sizes:
@@ -109,6 +141,15 @@ def main():
                     base = base or rate
                     per_worker.setdefault(size, []).append(rate / workers)
                     print(f"| {layout} | {size} | {workers} | {rate:.0f} | {rate / workers:.0f} | {rate / base:.2f} |")
+        from opendit.data.latent_shards import open_cache
+
+        caches = write_latent_caches(Path(tmp), a.samples)
+        for workers in a.workers:
+            base = None
+            for layout, folder in caches.items():
+                rate = throughput(open_cache(folder), workers)
+                base = base or rate
+                print(f"| {layout} | 256 | {workers} | {rate:.0f} | {rate / workers:.0f} | {rate / base:.2f} |")
     flops, text_tokens = schnell_flops_per_sample(256)
     need = a.tflops * 1e12 / flops
     slowest = min(per_worker.get(256, [float("nan")]))

@@ -406,6 +406,10 @@ class PreprocessOptions:
     flip_both: bool = opt(False, "also cache each image's horizontal flip")
     dtype: str = opt("float32", "storage of the posterior mean and std", CACHE_DTYPES)
     shard_size: int = opt(8192, "images per shard file", check="positive")
+    cache_format: str = opt("npy", "npy: memory-mapped .npy shards; webdataset: tar shards that training streams "
+                                   "(--dataset latents reads both; docs/data.md)", ("npy", "webdataset"))
+    skip_existing: bool = opt(False, "webdataset caches: keep the finished shards of an interrupted run of the same "
+                                     "--out and encode only the rest (at any world size)")
     num_workers: int = opt(4, "DataLoader worker processes per rank", check="nonneg")
     overwrite: bool = opt(False, "replace an existing cache folder")
 

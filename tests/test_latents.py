@@ -127,3 +127,46 @@ def test_two_process_preprocess_equals_one(tmp_path):
         (m2, s2), y2 = two[i]
         assert y1 == y2
         torch.testing.assert_close((m1, s1), (m2, s2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_webdataset_cache_streams_like_the_npy_cache_and_resumes_its_shards(cache, tmp_path, monkeypatch):
+    """--cache_format webdataset: the same posteriors as the .npy cache, readable by webdataset itself, training
+    from it equals training from the .npy cache in the stream's order; an interrupted preprocess restarted with
+    --skip_existing keeps the finished shard ranges (their files untouched) and writes only the rest."""
+    import webdataset as wds
+
+    from opendit.data.latent_shards import LatentStream
+
+    path, vae = cache
+    out = tmp_path / "tars"
+    _preprocess(vae, out, "--cache_format", "webdataset", "--shard_size", "500")
+    npy, tars = LatentDataset(path), LATENTS(str(out), None)
+    assert isinstance(tars, LatentStream) and len(tars) == 1797 and tars.source.sizes == [500, 500, 500, 297]
+    for i in (0, 499, 500, 1796):
+        torch.testing.assert_close(tars[i][0], npy[i][0], rtol=1e-5, atol=1e-6)
+        assert tars[i][1] == npy[i][1]
+    first = next(iter(wds.WebDataset(str(out / "s000000-00000.tar"), shardshuffle=False).decode()))
+    assert first["__key__"] == "000000000" and first["mean.npy"].shape == (4, 4, 4)
+    _, streamed = run_trainer(tiny_cfg(tmp_path / "t", dataset="latents", data_path=str(out), image_size=32,
+                                       max_steps=2, shuffle_buffer=100))
+    assert all(np.isfinite(streamed))
+
+    # an interrupted run: ranges 0 and 2 finished, range 1 half written
+    partial = tmp_path / "again.partial"
+    partial.mkdir()
+    import shutil
+    for j in (0, 2):
+        shutil.copy(out / f"s{j:06d}-00000.tar", partial)
+        shutil.copy(out / f"s{j:06d}.done.json", partial)
+    (partial / "s000001-00000.tar.partial").write_bytes(b"cut")
+    kept = {j: (partial / f"s{j:06d}-00000.tar").stat().st_mtime_ns for j in (0, 2)}
+    encoded = []
+    real = preprocess.encode_slice
+    monkeypatch.setattr(preprocess, "encode_slice", lambda *a, **kw: encoded.append(a[2][0]) or real(*a, **kw))
+    _preprocess(vae, tmp_path / "again", "--cache_format", "webdataset", "--shard_size", "500", "--skip_existing")
+    assert encoded == [500, 1500]  # ranges 1 and 3 only
+    assert {j: (tmp_path / "again" / f"s{j:06d}-00000.tar").stat().st_mtime_ns for j in (0, 2)} == kept
+    resumed = LATENTS(str(tmp_path / "again"), None)
+    torch.testing.assert_close(resumed[700][0], tars[700][0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="--skip_existing keeps finished shards"):
+        _preprocess(vae, tmp_path / "npy", "--skip_existing")

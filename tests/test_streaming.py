@@ -280,9 +280,9 @@ def test_two_ranks_with_workers_resume_bitwise_and_one_rank_continues_their_epoc
 
     cfg = functools.partial(flux_cfg, encoders=encoders, dataset="webdataset", data_path=shards["webdataset"],
                             num_workers=2, shuffle_buffer=50, stream_partitions=2, batch_size=8)
-    full, _, resumed = run_distributed(train_each, 2, [cfg(tmp_path / "a", max_steps=4, ckpt_every=2),
-                                                       cfg(tmp_path / "b", max_steps=2, ckpt_every=2),
-                                                       cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest")])[0]
+    runs = [cfg(tmp_path / "a", max_steps=4, ckpt_every=2), cfg(tmp_path / "b", max_steps=2, ckpt_every=2),
+            cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest")]
+    full, _, resumed = run_distributed(train_each, 2, runs)[0]
     assert resumed == full[2:] and all(np.isfinite(full))
     try:
         trainer = Trainer(cfg(tmp_path / "a", max_steps=6, num_workers=0, load="latest"))

@@ -208,6 +208,12 @@ class LatentDataset(Dataset):
         return (mean, std), int(arrays["label"][i])
 
 
+def _open_cache(path, size, **options):
+    from opendit.data.latent_shards import open_cache
+    return open_cache(path, size, **options)
+
+
 LATENTS = DatasetSpec("latents", "a latent cache written by preprocess.py (its manifest gives the image size, VAE "
-                                 "and classes)", lambda path, size, **kw: LatentDataset(path, size, **kw),
-                      path="a cache folder written by preprocess.py", cache=True)
+                                 "and classes; .npy shards, or tar shards streamed)", _open_cache,
+                      path="a cache folder written by preprocess.py", cache=True,
+                      settings=("shuffle_buffer", "stream_partitions", "shard_cache"))

@@ -190,6 +190,15 @@ class TarShards(ShardSource):
                              f"KEY.EXT, or none readable); check that they are WebDataset tar files")
         self._indexes, self._files = {}, _Opened()
 
+    @classmethod
+    def listed(cls, names: list[str], sizes: list[int], cache_dir: str | None = None) -> "TarShards":
+        """Shards whose sample counts are known (a latent cache's manifest): nothing is read until used."""
+        shards = cls.__new__(cls)
+        shards.spec, shards.cache_dir = "::".join(names), cache_dir or default_cache()
+        shards.names, shards.sizes = list(names), list(sizes)
+        shards._indexes, shards._files = {}, _Opened()
+        return shards
+
     def __getstate__(self):
         return {**self.__dict__, "_indexes": {}, "_files": _Opened()}
 
