@@ -126,20 +126,14 @@ class TrainData:
 
 
 @dataclass
-class StreamOptions:
-    """Sharded streams: --dataset webdataset, parquet, hf (docs/data.md)."""
+class StreamFields:
+    """What a sharded stream's samples hold and which to use: --dataset webdataset, parquet, hf (docs/data.md)."""
     image_key: str | None = opt(None, "where a stream's image (video: clip) is: tar member extensions or column names, "
                                       "comma-separated, the first present wins; default: jpg,jpeg,png,webp,image,img "
                                       "(video: mp4,webm,mkv,avi,mov,video)")
     caption_key: str | None = opt(None, "where a stream's caption is; json:FIELD reads a field of the sample's .json; "
                                         "default: txt,caption,text,json:caption,json:text")
     label_key: str | None = opt(None, "where a stream's class label is; default: cls,label,json:label,json:cls")
-    shuffle_buffer: int = opt(10000, "samples a stream shuffles together (a window of its shuffled shards)",
-                              check="positive")
-    stream_partitions: int = opt(1, "deal a stream's shards to this many partitions, each global batch taking the "
-                                    "same count from each; a multiple of the data-parallel size reads each rank's "
-                                    "own shards only (the same value resumes at any world size it divides)",
-                                 check="positive")
     crop: str = opt("center", "streams: where the square crop sits after the resize", ("center", "random"))
     min_image_size: int = opt(0, "streams: skip (and count) images or clips whose shorter side is below this many "
                                  "pixels", check="nonneg")
@@ -151,6 +145,17 @@ class StreamOptions:
                                         "~/.cache/opendit/shards")
     hf_args: str | None = opt(None, "--dataset hf: load_dataset's arguments as KEY=VALUE words, e.g. "
                                     "\"name=default split=train\" (split defaults to train)")
+
+
+@dataclass
+class StreamOrderOptions:
+    """How a stream is read in training (docs/data.md)."""
+    shuffle_buffer: int = opt(10000, "samples a stream shuffles together (a window of its shuffled shards)",
+                              check="positive")
+    stream_partitions: int = opt(1, "deal a stream's shards to this many partitions, each global batch taking the "
+                                    "same count from each; a multiple of the data-parallel size reads each rank's "
+                                    "own shards only (the same value resumes at any world size it divides)",
+                                 check="positive")
 
 
 @dataclass
@@ -282,8 +287,9 @@ class TrainSpeed:
 
 
 TrainOptions = grouped("TrainOptions",
-                       ("model and data", TrainData), ("streamed data", StreamOptions), ("schedule", TrainSchedule),
-                       ("optimizer", TrainOptimizer), ("EMA", TrainEMA), ("logging and validation", TrainLogging),
+                       ("model and data", TrainData), ("streamed data", StreamFields, StreamOrderOptions),
+                       ("schedule", TrainSchedule), ("optimizer", TrainOptimizer), ("EMA", TrainEMA),
+                       ("logging and validation", TrainLogging),
                        ("sampling previews", TrainPreviews), ("checkpoints and resuming", TrainCheckpoints),
                        ("LoRA", TrainLoRA), ("parallelism", TrainParallel, SequenceParallelOptions),
                        ("speed", SpeedOptions, TrainSpeed))
@@ -386,8 +392,7 @@ SampleOptions = grouped("SampleOptions",
 
 
 @dataclass
-class PreprocessOptions:
-    SECTIONS = {"family": "data", "out": "cache"}
+class PreprocessData:
     family: str = opt("dit", "the model family whose data and encoders to cache", lambda: list(FAMILIES))
     dataset: str = opt("folder", "the data to encode (not a cache)", _datasets)
     data_path: str | None = opt(None, "what the dataset reads (e.g. the class-folder root)")
@@ -401,6 +406,10 @@ class PreprocessOptions:
     vae_scale: float | None = opt(None, "recorded in the manifest for training; default: the family's",
                                   check="positive")
     model: str | None = opt(None, "the model the cache is for (e.g. sets FLUX's default --t5_max_length)", _models)
+
+
+@dataclass
+class PreprocessCache:
     out: str | None = opt(None, "the cache folder to write (required)")
     batch_size: int = opt(64, "images per encoder call, per process", check="positive")
     flip_both: bool = opt(False, "also cache each image's horizontal flip")
@@ -412,6 +421,10 @@ class PreprocessOptions:
                                      "--out and encode only the rest (at any world size)")
     num_workers: int = opt(4, "DataLoader worker processes per rank", check="nonneg")
     overwrite: bool = opt(False, "replace an existing cache folder")
+
+
+PreprocessOptions = grouped("PreprocessOptions", ("data", PreprocessData), ("streamed data", StreamFields),
+                            ("cache", PreprocessCache))
 
 
 # ---- the merge ------------------------------------------------------------------------------------------------

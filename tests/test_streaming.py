@@ -317,3 +317,41 @@ def test_aspect_ratio_buckets_on_a_stream_give_batches_of_one_shape_and_resume_e
     run_trainer(cfg(tmp_path / "b", max_steps=2, ckpt_every=2))
     _, resumed = run_trainer(cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest"))
     assert resumed == full[2:] and all(np.isfinite(full))
+
+
+def test_the_throughput_benchmark_runs_every_row():
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+
+    out = subprocess.run([sys.executable, "benchmarks/data_throughput.py", "--samples", "32", "--sizes", "64",
+                          "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "layout" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["folder", "tar shards", "Parquet", "latent cache (.npy)",
+                                                      "latent cache (tar, streamed)"]
+    assert "loader workers" in out.stdout
+
+
+def test_a_streamed_cache_of_a_stream_trains_like_the_stream_on_the_fly(tmp_path, shards, encoders):
+    """preprocess.py from tar shards into a tar-shard cache (same shard size: the same stream order); FLUX trains on
+    the cache as on the raw stream encoded on the fly (same samples per step, equal losses up to the encoders' float
+    rounding), without loading an encoder."""
+    from tests.run_each import run_here
+    from tests.test_train import save_tiny_vae
+    from tests.test_video_family import losses_of
+
+    t5, clip = encoders
+    vae = save_tiny_vae(tmp_path / "vae", latent_channels=16)
+    run_here("preprocess.py", "--family", "flux", "--model", "flux-debug", "--dataset", "webdataset", "--data_path",
+             shards["webdataset"], "--image_size", "32", "--vae", vae, "--t5", t5, "--clip", clip, "--out",
+             tmp_path / "cache", "--cache_format", "webdataset", "--shard_size", "60", "--num_workers", "0")
+    common = dict(image_size=32, max_steps=3, shuffle_buffer=50, num_workers=2)
+    trainer, _ = run_trainer(flux_cfg(tmp_path / "c", ("none", "none"), dataset="latents",
+                                      data_path=str(tmp_path / "cache"), **common))
+    assert trainer.encoders.vae is None and trainer.loader.sampler.order is not None
+    run_trainer(flux_cfg(tmp_path / "f", encoders, vae=vae, dataset="webdataset", data_path=shards["webdataset"],
+                         **common))
+    cached, fly = (losses_of(tmp_path / run / "000-flux-debug") for run in ("c", "f"))
+    np.testing.assert_allclose(cached, fly, rtol=1e-5)
