@@ -355,3 +355,28 @@ def test_a_streamed_cache_of_a_stream_trains_like_the_stream_on_the_fly(tmp_path
                          **common))
     cached, fly = (losses_of(tmp_path / run / "000-flux-debug") for run in ("c", "f"))
     np.testing.assert_allclose(cached, fly, rtol=1e-5)
+
+
+def test_a_run_on_bad_shards_goes_on_and_logs_what_it_skipped(tmp_path, encoders):
+    """Training on a shard with an undecodable image and an uncaptioned sample; and a clip stream with a broken
+    video: the runs finish and the skipped samples are counted."""
+    from opendit.data import count_skipped
+    from opendit.data.shards import demo_records, write_tars
+
+    samples = []
+    for i in range(8):
+        samples += [(f"{i:03d}.png", _png(i)), (f"{i:03d}.txt", f"a handwritten {i}".encode())]
+    samples += [("100.png", b"\x89PNG broken"), ("100.txt", b"a broken one"), ("101.png", _png(50))]
+    _tar(tmp_path / "bad.tar", samples)
+    trainer, losses = run_trainer(flux_cfg(tmp_path / "run", encoders, dataset="webdataset", batch_size=4,
+                                           data_path=str(tmp_path / "bad.tar"), max_steps=3, log_every=1))
+    logged = [json.loads(line) for line in (trainer.run_dir / "log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(losses)) and len(trainer.dataset) == 10
+    assert count_skipped(trainer.dataset) == 2 and logged[-1]["skipped_images"] == 2
+
+    records = list(demo_records("moving_digits", 16, "all", num_frames=6, limit=4))
+    records[1]["media"] = records[1]["media"][: len(records[1]["media"]) // 3]  # a truncated mp4
+    write_tars(records, str(tmp_path / "clips"), shard_size=4)
+    clips = StreamDataset("webdataset", str(tmp_path / "clips" / "00000.tar"), 16, item="clip", num_frames=3)
+    items = [clips[i] for i in range(4)]
+    assert all(clip.shape == (3, 3, 16, 16) for clip, _, _ in items) and count_skipped(clips) == 1

@@ -80,9 +80,10 @@ def shard_paths(tmp_path_factory):
 
 
 def test_every_registered_family_offers_the_three_streams():
-    for name, family in FAMILIES.items():
-        assert {"webdataset", "parquet", "hf"} <= set(family.datasets), name
-    assert set(TABLE) == set(FAMILIES), "add the new family's debug run to TABLE"
+    built_in = {name for name, family in FAMILIES.items() if type(family).__module__.startswith("opendit.")}
+    for name in built_in:  # (test families registered by other tests are not opendit's)
+        assert {"webdataset", "parquet", "hf"} <= set(FAMILIES[name].datasets), name
+    assert set(TABLE) == built_in, "add the new family's debug run to TABLE"
 
 
 @pytest.mark.parametrize("family", sorted(TABLE))

@@ -7,7 +7,8 @@ from opendit.data.captions import (CAPTIONED_DIGITS, CAPTIONS, DIGIT_CAPTION_WOR
                                    CaptionedImageDataset, digit_caption, distinct_captions)
 from opendit.data.digits import DIGITS, DigitsDataset, digits_split
 from opendit.data.image_folder import FOLDER, ImageFolderDataset
-from opendit.data.latents import LATENTS, LatentDataset, read_manifest
+from opendit.data.latent_shards import LATENTS
+from opendit.data.latents import LatentDataset, read_manifest
 from opendit.data.loader import ResumableDataLoader, build_dataloader
 from opendit.data.moving_digits import MOVING_DIGITS, MovingDigitsDataset
 from opendit.data.sampler import ResumableDistributedSampler

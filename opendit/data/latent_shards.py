@@ -18,7 +18,8 @@ import os
 
 import numpy as np
 
-from opendit.data.latents import RERUN_HINT, LatentDataset
+from opendit.data.latents import RERUN_HINT, LatentDataset, read_manifest
+from opendit.data.spec import DatasetSpec
 
 DONE = ".done.json"
 
@@ -125,8 +126,12 @@ class LatentStream(LatentDataset):
 def open_cache(path: str, image_size=None, random_flip: bool = True, seed: int = 0, shuffle_buffer: int = 10_000,
                stream_partitions: int = 1, shard_cache: str | None = None) -> LatentDataset:
     """The cache at `path`, as its manifest says it was written: .npy shards or tar shards (streamed)."""
-    from opendit.data.latents import read_manifest
-
     if read_manifest(path).get("format", "npy") == "webdataset":
         return LatentStream(path, image_size, random_flip, seed, shuffle_buffer, stream_partitions, shard_cache)
     return LatentDataset(path, image_size, random_flip, seed)
+
+
+LATENTS = DatasetSpec("latents", "a latent cache written by preprocess.py (its manifest gives the image size, VAE "
+                                 "and classes; .npy shards, or tar shards streamed)", open_cache,
+                      path="a cache folder written by preprocess.py", cache=True,
+                      settings=("shuffle_buffer", "stream_partitions", "shard_cache"))

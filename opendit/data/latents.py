@@ -26,7 +26,6 @@ import torch
 from torch.utils.data import Dataset
 
 from opendit.data.buckets import Bucket, BucketAssignment
-from opendit.data.spec import DatasetSpec
 from opendit.seeding import mix_seed
 
 CACHE_VERSION = 1
@@ -206,14 +205,3 @@ class LatentDataset(Dataset):
         if self.captions:
             return (mean, std), int(arrays["label"][i]), str(arrays["caption"][i])
         return (mean, std), int(arrays["label"][i])
-
-
-def _open_cache(path, size, **options):
-    from opendit.data.latent_shards import open_cache
-    return open_cache(path, size, **options)
-
-
-LATENTS = DatasetSpec("latents", "a latent cache written by preprocess.py (its manifest gives the image size, VAE "
-                                 "and classes; .npy shards, or tar shards streamed)", _open_cache,
-                      path="a cache folder written by preprocess.py", cache=True,
-                      settings=("shuffle_buffer", "stream_partitions", "shard_cache"))

@@ -27,7 +27,7 @@ from opendit.data.buckets import Bucketable
 from opendit.data.shard_sources import SOURCES, as_bytes, as_stream, expand_parquet, expand_shards, open_source
 from opendit.data.skipped import SkipLog, first_readable
 from opendit.data.spec import DatasetSpec
-from opendit.data.stream_order import check_ranks, layout_fingerprint, stream_order
+from opendit.data.stream_order import check_layout, check_ranks, layout_fingerprint, stream_order
 from opendit.data.transforms import check_image_size, resize_crop, to_signed_tensor
 from opendit.data.video_csv import clip_tensor
 from opendit.data.video_io import video_geometry
@@ -62,13 +62,11 @@ class StreamOrder:
         return layout_fingerprint(self.sizes, global_batch, self.partitions, self.buffer, shuffle, self.groups)
 
     def check(self, global_batch: int, dp_size: int) -> None:
+        check_layout(len(self.sizes), global_batch, self.partitions, self.buffer)
         check_ranks(self.partitions, dp_size)
         if self.groups is not None and self.partitions > 1:
             raise ValueError(f"--buckets on a stream takes one partition; leave --stream_partitions {self.partitions} "
                              f"out")
-        if global_batch % self.partitions:
-            raise ValueError(f"--batch_size {global_batch} is not a multiple of --stream_partitions "
-                             f"{self.partitions}; pass a batch that is")
 
 
 class SubsetOrder:
