@@ -189,6 +189,20 @@ def test_http_shards_are_fetched_once_with_retries_and_a_dead_url_stops_with_its
         StreamDataset("webdataset", server.url + "/00000.tar", 8, shard_cache=str(tmp_path / "other"))
 
 
+def test_parquet_files_stream_from_http_like_local_ones(shards, tmp_path):
+    server = _Server(shards["parquet"])
+    try:
+        url = server.url + "/{00000..00003}.parquet"
+        remote = StreamDataset("parquet", url, 8, channels=1, shard_cache=str(tmp_path / "cache"))
+        local = StreamDataset("parquet", shards["parquet"], 8, channels=1)
+        assert remote.source.sizes == local.source.sizes == [60] * 4
+        for i in (0, 130, 239):
+            assert remote[i][1] == local[i][1]
+            torch.testing.assert_close(remote[i][0], local[i][0], atol=0, rtol=0)
+    finally:
+        server.close()
+
+
 # ---- bad input ------------------------------------------------------------------------------------------------
 def _tar(path, samples):
     with tarfile.open(path, "w") as archive:

@@ -10,8 +10,8 @@ so every DataLoader worker opens its own.
   counts spare reading every shard at start. Members group into samples by key as WebDataset does (`00012.jpg`,
   `00012.txt`, `00012.json`: wids' `splitname`). Python's tarfile indexes each shard; past a corrupt header it
   resynchronises on the next valid one, and a truncated last member is left out (named in a warning).
-- Parquet (`ParquetShards`): files, a glob, or a folder of *.parquet (each file a shard); pyarrow reads one row
-  group at a time.
+- Parquet (`ParquetShards`): files, a glob, a folder of *.parquet, or http(s) URLs of files (each file a shard;
+  remote ones copied once per machine, as tar shards are); pyarrow reads one row group at a time.
 - Hugging Face datasets (`HFSource`): a folder written by `save_to_disk`, or `load_dataset` arguments (a hub name or
   a local folder of data files); memory-mapped Arrow, cut into shards of SHARD_ROWS rows. Image columns are read
   as their encoded bytes (no decoding by `datasets`).
@@ -238,7 +238,12 @@ class TarShards(ShardSource):
 
 # ---- Parquet --------------------------------------------------------------------------------------------------
 def expand_parquet(spec: str) -> list[str]:
+    """A --data_path of Parquet files -> their paths or http(s) URLs (brace patterns expanded), in order."""
+    from braceexpand import braceexpand
+
     spec = str(spec)
+    if is_url(spec):
+        return [s for part in spec.split("::") for s in braceexpand(part.strip()) if s]
     if os.path.isdir(spec):
         found = sorted(glob.glob(os.path.join(spec, "**", "*.parquet"), recursive=True))
     else:
@@ -252,15 +257,15 @@ def expand_parquet(spec: str) -> list[str]:
 class ParquetShards(ShardSource):
     kind = "parquet"
 
-    def __init__(self, spec: str, columns: tuple[str, ...] = ()):
+    def __init__(self, spec: str, columns: tuple[str, ...] = (), cache_dir: str | None = None):
         import pyarrow.parquet as pq
 
-        self.names = expand_parquet(spec)
+        self.names, self.cache_dir = expand_parquet(spec), cache_dir or default_cache()
         self.columns = tuple(columns)
         self.sizes, self.groups, schema = [], [], None
-        for path in self.names:
+        for shard, path in enumerate(self.names):
             try:
-                meta = pq.ParquetFile(path).metadata
+                meta = pq.ParquetFile(self.local_path(shard)).metadata
             except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError...: named, not a crash
                 raise ValueError(f"{path!r} is not a readable Parquet file ({type(err).__name__}: {err}); remove or "
                                  f"replace it") from err
@@ -276,13 +281,18 @@ class ParquetShards(ShardSource):
     def __getstate__(self):
         return {**self.__dict__, "_tables": _Opened()}
 
+    def local_path(self, shard: int) -> str:
+        name = self.names[shard]
+        return local_copy(name, self.cache_dir) if is_url(name) else name
+
     def _read(self, shard: int, offset: int) -> dict:
         import pyarrow.parquet as pq
 
         starts = self.groups[shard]
         group = bisect.bisect_right(starts, offset) - 1
-        table = self._tables.get_or_open((shard, group), lambda key: pq.ParquetFile(self.names[key[0]]).read_row_group(
-            key[1], columns=[c for c in self.columns if c in self.schema_names] or None))
+        columns = [c for c in self.columns if c in self.schema_names] or None
+        table = self._tables.get_or_open((shard, group), lambda key: pq.ParquetFile(self.local_path(key[0]))
+                                         .read_row_group(key[1], columns=columns))
         row = table.slice(offset - int(starts[group]), 1).to_pylist()[0]
         return row
 
@@ -348,7 +358,7 @@ def open_source(kind: str, spec: str, shard_cache: str | None = None, hf_args: s
         return TarShards(spec, shard_cache)
     if kind == "hf":
         return HFSource(spec, hf_args)
-    return ParquetShards(spec, columns)
+    return ParquetShards(spec, columns, shard_cache)
 
 
 def as_bytes(value) -> bytes | None:
