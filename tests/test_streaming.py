@@ -117,7 +117,7 @@ def test_a_stream_refuses_a_position_saved_for_other_shards(shards, tmp_path):
     with pytest.raises(ValueError, match="sharded stream of another layout"):
         build_dataloader(other, 8, 1, 0, seed=0).sampler.load_state_dict(state)
     with pytest.raises(ValueError, match="not a multiple of the data-parallel size 2"):
-        ResumableDistributedSampler(240, 2, 0, global_batch_size=8, order=StreamDataset(
+        ResumableDistributedSampler(240, 2, 0, global_batch_size=6, order=StreamDataset(
             "webdataset", shards["webdataset"], 8, stream_partitions=3).order)
 
 
