@@ -394,3 +394,22 @@ def test_a_run_on_bad_shards_goes_on_and_logs_what_it_skipped(tmp_path, encoders
     clips = StreamDataset("webdataset", str(tmp_path / "clips" / "00000.tar"), 16, item="clip", num_frames=3)
     items = [clips[i] for i in range(4)]
     assert all(clip.shape == (3, 3, 16, 16) for clip, _, _ in items) and count_skipped(clips) == 1
+
+
+def test_validation_items_held_out_of_a_stream_keep_its_order_and_resume(tmp_path, shards, encoders):
+    """--val_samples holds items out of a stream: training reads the rest in the stream's own order (no held-out
+    item), the validation loss is logged, and a resumed run equals the uninterrupted one."""
+    cfg = functools.partial(flux_cfg, encoders=encoders, dataset="webdataset", data_path=shards["webdataset"],
+                            val_every=2, val_samples=16, shuffle_buffer=50)
+    trainer, full = run_trainer(cfg(tmp_path / "a", max_steps=4, ckpt_every=2))
+    held_out = set(trainer.validator.indices)
+    order = trainer.loader.sampler.permutation()
+    trained = set(trainer.loader.dataset.indices[int(i)] for i in order)
+    assert len(held_out) == 16 and not held_out & trained and len(trained) == 240 - 16
+    expected = [i for i in trainer.dataset.order.epoch_order(0, 0, 4).tolist() if i not in held_out]
+    assert [trainer.loader.dataset.indices[int(i)] for i in order] == expected  # the stream's order, less held out
+    logged = [json.loads(line) for line in (trainer.run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r.get("kind") == "val"] == [2, 4]
+    run_trainer(cfg(tmp_path / "b", max_steps=2, ckpt_every=2))
+    _, resumed = run_trainer(cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest"))
+    assert resumed == full[2:]
