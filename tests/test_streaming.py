@@ -413,3 +413,22 @@ def test_validation_items_held_out_of_a_stream_keep_its_order_and_resume(tmp_pat
     run_trainer(cfg(tmp_path / "b", max_steps=2, ckpt_every=2))
     _, resumed = run_trainer(cfg(tmp_path / "b", max_steps=4, ckpt_every=2, load="latest"))
     assert resumed == full[2:]
+
+
+def test_frame_buckets_on_a_clip_stream(tmp_path):
+    """Clips of 6 and of 4 frames in tar shards: with --bucket_frames 6 4 each goes to the longest bucket it has
+    frames for (read from the mp4 header), and every global batch of the stream's order holds one frame count."""
+    from opendit.data.buckets import parse_buckets
+    from opendit.data.shards import demo_records, write_tars
+
+    long = list(demo_records("moving_digits", 16, "all", num_frames=6, limit=8))
+    short = [dict(r, key=f"s{r['key']}") for r in demo_records("moving_digits", 16, "all", num_frames=4, limit=8)]
+    write_tars(long + short, str(tmp_path), shard_size=4)
+    clips = StreamDataset("webdataset", str(tmp_path / "{00000..00003}.tar"), 16, item="clip", num_frames=4,
+                          shuffle_buffer=8)
+    assignment = clips.use_buckets(parse_buckets("16x16", 256, 8, (6, 4)))
+    assert sorted(np.bincount(assignment.ids).tolist()) == [8, 8]
+    order = build_dataloader(clips, 4, 1, 0, seed=0).sampler.permutation()
+    for batch in order.view(-1, 4):
+        assert len({clips[int(i)][0].shape[1] for i in batch}) == 1
+    assert {clips[int(i)][0].shape for i in order} == {(3, 6, 16, 16), (3, 4, 16, 16)}
