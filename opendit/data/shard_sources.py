@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import tarfile
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -32,6 +33,7 @@ from opendit.data.fetch import default_cache, is_url, local_copy
 logger = logging.getLogger(__name__)
 
 OPEN_SHARDS = 4  # shards a process keeps open / indexed (a shuffle window spans a few)
+PROGRESS_S = 10.0  # seconds between the progress lines of counting a stream's shards
 SHARD_ROWS = 1024  # rows of a Hugging Face table per shard
 
 
@@ -183,7 +185,7 @@ class TarShards(ShardSource):
         else:
             self.names, counts = expand_shards(self.spec), None
         if counts is None:  # every shard read once (remote ones downloaded) to count its samples
-            counts = [len(self._index(i)) for i in range(len(self.names))]
+            counts = self._count()
         self.sizes = counts
         if not len(self):
             raise ValueError(f"the {len(self.names)} shard(s) of {self.spec!r} hold no samples (no member named "
@@ -201,6 +203,18 @@ class TarShards(ShardSource):
 
     def __getstate__(self):
         return {**self.__dict__, "_indexes": {}, "_files": _Opened()}
+
+    def _count(self) -> list[int]:
+        """Each shard's samples, from its tar headers; a line every PROGRESS_S with the rate and the time left."""
+        counts, start, last = [], time.time(), time.time()
+        for shard in range(len(self.names)):
+            counts.append(len(tar_index(self.local_path(shard))))
+            if time.time() - last > PROGRESS_S:
+                last, rate = time.time(), (shard + 1) / (time.time() - start)
+                logger.info("counted the samples of %d/%d shards (%.1f shards/s, %.0f s left; a shard list, python -m "
+                            "opendit.data.shards --list, spares this)", shard + 1, len(self.names), rate,
+                            (len(self.names) - shard - 1) / rate)
+        return counts
 
     def local_path(self, shard: int) -> str:
         name = self.names[shard]
