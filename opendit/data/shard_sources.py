@@ -221,8 +221,6 @@ class TarShards(ShardSource):
         return local_copy(name, self.cache_dir) if is_url(name) else name
 
     def _index(self, shard: int):
-        if not hasattr(self, "_indexes"):
-            self._indexes = {}
         if shard not in self._indexes:
             if len(self._indexes) >= 4 * OPEN_SHARDS:  # a window spans a few shards; indexes are small
                 self._indexes.clear()
