@@ -15,6 +15,7 @@ quietly; a rank whose collective broke because rank 0 stopped on a user error ex
 Imports nothing heavy: torch.distributed is only touched when something else already imported it.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -116,13 +117,28 @@ def parse_config(cls, description: str | None, argv=None):
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--config")
     first.error = parser.error
-    path = first.parse_known_args(argv)[0].config
+    path, from_file = first.parse_known_args(argv)[0].config, {}
     if path is not None:
         try:
-            parser.set_defaults(**config_values(cls, path))
+            from_file = config_values(cls, path)
+            parser.set_defaults(**from_file)
         except (ValueError, OSError) as e:  # a bad file, or none (a folder, no permission)
             fail(message(e), hint=False)
-    return cfglib.from_args(cls, parser.parse_args(argv))
+    cfg = cfglib.from_args(cls, parser.parse_args(argv))
+    defaults = {f.name: cfglib.default_of(f) for f in dataclasses.fields(cls)}
+    given = _given_flags(cls, argv) | {k for k, v in from_file.items() if v != defaults.get(k)}
+    foreign = cfglib.foreign_options(cfg, given)
+    if foreign:
+        fail(foreign, hint=False)
+    return cfg
+
+
+def _given_flags(cls, argv) -> set[str]:
+    """The options named on the command line (whatever their value)."""
+    parser = cfglib.build_parser(cls, None)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
 
 
 def run_entry(main_fn, cfg, check=None):

@@ -462,6 +462,30 @@ def _family_fields(part: str) -> tuple[list, dict]:
     return fields, sections
 
 
+def foreign_options(cfg, given) -> str | None:
+    """The error for options among `given` (names set on the command line or in a --config file) that belong to
+    other model families than the run's (train.py: --model's; preprocess.py: --family), None when there are none."""
+    if isinstance(cfg, TrainOptions):
+        family, which, part = family_of(cfg.model), f"--model {cfg.model}", _PARTS["TrainConfig"][1]
+    elif isinstance(cfg, PreprocessOptions):
+        family, which, part = FAMILIES.get(cfg.family), f"--family {cfg.family}", _PARTS["PreprocessConfig"][1]
+    else:  # sample.py: the model comes from the checkpoint, after parsing
+        return None
+    own = getattr(family, part, None)
+    own = {f.name for f in dataclasses.fields(own)} if own is not None else set()
+    owners: dict[str, list[str]] = {}
+    for other in FAMILIES.values():
+        options = getattr(other, part)
+        for f in dataclasses.fields(options) if options is not None else ():
+            owners.setdefault(f.name, []).append(other.name)
+    foreign = [name for name in sorted(given) if name in owners and name not in own]
+    if not foreign:
+        return None
+    told = "; ".join(f"--{name} is an option of the {' and '.join(owners[name])} family" for name in foreign)
+    return (f"{told}, not of the {family.name} family that {which} belongs to; leave "
+            f"{'it' if len(foreign) == 1 else 'them'} out (or pick a model of that family)")
+
+
 def config_class(name: str) -> type:
     """The config dataclass `name` (TrainConfig, SampleConfig, PreprocessConfig) of the registry as it is now."""
     base, part = _PARTS[name]

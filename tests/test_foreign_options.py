@@ -1,0 +1,78 @@
+"""An option of another model family is refused in one line, for every registered family (train.py: --model's
+family; preprocess.py: --family), on the command line and in a --config file; the family's own options and the
+shared ones pass, and so does a config file that leaves other families' options at their defaults."""
+import dataclasses
+
+import pytest
+
+from opendit import config as cfglib
+from opendit.cli import parse_config
+from opendit.families import FAMILIES
+from opendit.options import default_of
+
+BUILT_IN = sorted(name for name, family in FAMILIES.items() if type(family).__module__.startswith("opendit."))
+
+
+def _debug_model(family) -> str:
+    return next((m for m in family.models if "debug" in m.lower()), next(iter(family.models)))
+
+
+def _foreign(family, part: str):
+    """An option of another family's `part` that this family lacks, with a default to pass as its value."""
+    own = {f.name for f in dataclasses.fields(getattr(family, part))} if getattr(family, part) else set()
+    for other in FAMILIES.values():
+        options = getattr(other, part)
+        for f in dataclasses.fields(options) if options is not None else ():
+            default = default_of(f)
+            if f.name not in own and default is not None and not isinstance(default, (list, bool)):
+                return f.name, str(default), other.name
+    return None
+
+
+def _refusal(capsys, cls, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        parse_config(cls, None, argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_another_familys_train_option_is_refused(name, capsys, tmp_path):
+    family = FAMILIES[name]
+    found = _foreign(family, "train_options")
+    if found is None:
+        pytest.skip(f"no other family has a train option {name} lacks")
+    option, value, owner = found
+    model = _debug_model(family)
+    line = _refusal(capsys, cfglib.TrainConfig, ["--model", model, f"--{option}", value])
+    assert f"--{option} is an option of the" in line and owner in line and f"--model {model}" in line
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "{model}"\n{option} = {value if value.replace(".", "").isdigit() else repr(value)}\n')
+    if value == str(default_of(next(f for f in dataclasses.fields(cfglib.TrainConfig) if f.name == option))):
+        parse_config(cfglib.TrainConfig, None, ["--config", str(config)])  # left at its default: not a choice
+    else:
+        assert f"--{option}" in _refusal(capsys, cfglib.TrainConfig, ["--config", str(config)])
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_the_familys_own_and_shared_train_options_pass(name):
+    family = FAMILIES[name]
+    own = family.train_options
+    argv = ["--model", _debug_model(family), "--lr", "1e-3"]
+    for f in dataclasses.fields(own) if own is not None else ():
+        default = default_of(f)
+        if default is not None and not isinstance(default, (list, bool)):
+            argv += [f"--{f.name}", str(default)]
+    parse_config(cfglib.TrainConfig, None, argv)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_another_familys_cache_option_is_refused_by_preprocess(name, capsys):
+    found = _foreign(FAMILIES[name], "cache_options")
+    if found is None:
+        pytest.skip(f"no other family has a cache option {name} lacks")
+    option, value, owner = found
+    line = _refusal(capsys, cfglib.PreprocessConfig, ["--family", name, "--out", "x", f"--{option}", value])
+    assert f"--{option} is an option of the" in line and f"--family {name}" in line
