@@ -49,11 +49,14 @@ def test_another_familys_train_option_is_refused(name, capsys, tmp_path):
     line = _refusal(capsys, cfglib.TrainConfig, ["--model", model, f"--{option}", value])
     assert f"--{option} is an option of the" in line and owner in line and f"--model {model}" in line
     config = tmp_path / "run.toml"
-    config.write_text(f'model = "{model}"\n{option} = {value if value.replace(".", "").isdigit() else repr(value)}\n')
-    if value == str(default_of(next(f for f in dataclasses.fields(cfglib.TrainConfig) if f.name == option))):
-        parse_config(cfglib.TrainConfig, None, ["--config", str(config)])  # left at its default: not a choice
-    else:
-        assert f"--{option}" in _refusal(capsys, cfglib.TrainConfig, ["--config", str(config)])
+    default = default_of(next(f for f in dataclasses.fields(cfglib.TrainConfig) if f.name == option))
+    literal = repr(value) if isinstance(default, str) else value
+    config.write_text(f'model = "{model}"\n{option} = {literal}\n')
+    parse_config(cfglib.TrainConfig, None, ["--config", str(config)])  # left at its default: not a choice
+    if isinstance(default, (int, float)):  # another valid value: a choice the file makes
+        chosen = default / 2 if isinstance(default, float) and default else default + 1
+        config.write_text(f'model = "{model}"\n{option} = {chosen}\n')
+        assert f"--{option} is an option of the" in _refusal(capsys, cfglib.TrainConfig, ["--config", str(config)])
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
