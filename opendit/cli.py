@@ -114,10 +114,18 @@ def parse_config(cls, description: str | None, argv=None):
     parser.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of options (a run's config.yaml "
                         "too); flags given beside it override it (docs/training.md)")
     parser.error = lambda text: fail(f"{text} (see {parser.prog} --help)", hint=False)
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config")
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ("--config", "--model", "--family"):
+        first.add_argument(name)
     first.error = parser.error
-    path, from_file = first.parse_known_args(argv)[0].config, {}
+    known = first.parse_known_args(argv)[0]
+    run = cfglib.run_family(cls, vars(known))
+    if run is not None:  # --help with --model (--family) shows that family's options only
+        hidden = cfglib.foreign_names(run[0], run[2])
+        for action in parser._actions:
+            if action.dest in hidden:
+                action.help = argparse.SUPPRESS
+    path, from_file = known.config, {}
     if path is not None:
         try:
             from_file = config_values(cls, path)

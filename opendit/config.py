@@ -462,25 +462,44 @@ def _family_fields(part: str) -> tuple[list, dict]:
     return fields, sections
 
 
+def run_family(cfg_or_cls, values: dict):
+    """(the run's family, the option that names it, the family options' part) of a train.py or preprocess.py config
+    class given its --model / --family values; None where the family is not known when parsing (sample.py, or a
+    name that is not registered: the parser reports that)."""
+    cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
+    if issubclass(cls, TrainOptions) and values.get("model") in all_models():
+        return family_of(values["model"]), f"--model {values['model']}", _PARTS["TrainConfig"][1]
+    if issubclass(cls, PreprocessOptions) and values.get("family") in FAMILIES:
+        return FAMILIES[values["family"]], f"--family {values['family']}", _PARTS["PreprocessConfig"][1]
+    return None
+
+
+def option_owners(part: str) -> dict[str, list[str]]:
+    """{family option name: the families whose `part` options have it}."""
+    owners: dict[str, list[str]] = {}
+    for family in FAMILIES.values():
+        options = getattr(family, part)
+        for f in dataclasses.fields(options) if options is not None else ():
+            owners.setdefault(f.name, []).append(family.name)
+    return owners
+
+
+def foreign_names(family, part: str) -> set[str]:
+    """The family options of other families that `family` does not have."""
+    return {name for name, families in option_owners(part).items() if family.name not in families}
+
+
 def foreign_options(cfg, given) -> str | None:
     """The error for options among `given` (names set on the command line or in a --config file) that belong to
     other model families than the run's (train.py: --model's; preprocess.py: --family), None when there are none."""
-    if isinstance(cfg, TrainOptions):
-        family, which, part = family_of(cfg.model), f"--model {cfg.model}", _PARTS["TrainConfig"][1]
-    elif isinstance(cfg, PreprocessOptions):
-        family, which, part = FAMILIES.get(cfg.family), f"--family {cfg.family}", _PARTS["PreprocessConfig"][1]
-    else:  # sample.py: the model comes from the checkpoint, after parsing
+    run = run_family(cfg, dataclasses.asdict(cfg))
+    if run is None:
         return None
-    own = getattr(family, part, None)
-    own = {f.name for f in dataclasses.fields(own)} if own is not None else set()
-    owners: dict[str, list[str]] = {}
-    for other in FAMILIES.values():
-        options = getattr(other, part)
-        for f in dataclasses.fields(options) if options is not None else ():
-            owners.setdefault(f.name, []).append(other.name)
-    foreign = [name for name in sorted(given) if name in owners and name not in own]
+    family, which, part = run
+    foreign = sorted(set(given) & foreign_names(family, part))
     if not foreign:
         return None
+    owners = option_owners(part)
     told = "; ".join(f"--{name} is an option of the {' and '.join(owners[name])} family" for name in foreign)
     return (f"{told}, not of the {family.name} family that {which} belongs to; leave "
             f"{'it' if len(foreign) == 1 else 'them'} out (or pick a model of that family)")

@@ -1,7 +1,9 @@
 """An option of another model family is refused in one line, for every registered family (train.py: --model's
 family; preprocess.py: --family), on the command line and in a --config file; the family's own options and the
-shared ones pass, and so does a config file that leaves other families' options at their defaults."""
+shared ones pass, and so does a config file that leaves other families' options at their defaults; `--help` with
+--model lists that family's options only."""
 import dataclasses
+import re
 
 import pytest
 
@@ -79,3 +81,23 @@ def test_another_familys_cache_option_is_refused_by_preprocess(name, capsys):
     option, value, owner = found
     line = _refusal(capsys, cfglib.PreprocessConfig, ["--family", name, "--out", "x", f"--{option}", value])
     assert f"--{option} is an option of the" in line and f"--family {name}" in line
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_help_with_a_model_shows_its_familys_options_only(name, capsys):
+    family = FAMILIES[name]
+    with pytest.raises(SystemExit):
+        parse_config(cfglib.TrainConfig, None, ["--model", _debug_model(family), "--help"])
+    out = capsys.readouterr().out
+    own = [f.name for f in dataclasses.fields(family.train_options)] if family.train_options else []
+    assert all(_flag_in(out, option) for option in own) and _flag_in(out, "lr") and _flag_in(out, "image_key")
+    assert not [option for option in cfglib.foreign_names(family, "train_options") if _flag_in(out, option)]
+    with pytest.raises(SystemExit):
+        parse_config(cfglib.TrainConfig, None, ["--help"])  # without --model: every family's options
+    everything = capsys.readouterr().out
+    assert all(_flag_in(everything, option) for option in cfglib.option_owners("train_options"))
+
+
+def _flag_in(help_text: str, option: str) -> bool:
+    """Whether --help lists the flag (a line of its own, not a mention in another flag's text)."""
+    return re.search(rf"^  --{re.escape(option)}[ ,\n]", help_text, re.M) is not None
