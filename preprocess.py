@@ -164,7 +164,7 @@ def _resume_partial(partial: str, cfg) -> None:
 def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     """Encode the dataset into the cache folder cfg.out (all ranks call this) -> the manifest."""
     info = init_distributed()
-    family = get_family(cfg.family)
+    family, given = get_family(cfg.family), cfg
     cfg = family.resolve_cache_config(cfg)
     out = str(cfg.out).rstrip("/")
     if cfg.dtype not in CACHE_DTYPES:
@@ -208,6 +208,7 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
         for key, value in extras.items():
             np.save(os.path.join(partial, f"extra.{key}.npy"), value.numpy().astype(cfg.dtype))
         manifest = _write_manifest(cfg, family, dataset, partial, gathered, sorted(extras))
+        cfglib.save_yaml(cfglib.run_record(given, cfg), os.path.join(partial, "config.yaml"))  # --config reruns it
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(partial, out)

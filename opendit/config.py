@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from opendit.booster import PLUGINS, PRECISIONS
+from opendit.config_files import DECIDED
 from opendit.data.digits import DIGITS_HELP, parse_digits
 from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
@@ -591,13 +592,29 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def run_settings(cfg) -> dict:
-    """A training config as a run records it (config.yaml, the checkpoint, the EMA export's sidecar): the shared
-    options and those of its model's family only, so a process that lacks another family's module reads it."""
-    options = family_of(cfg.model).train_options
-    names = {f.name for f in dataclasses.fields(TrainOptions)} | \
+def run_record(chosen, resolved=None, family=None) -> dict:
+    """A run of an entry script as it records itself (train.py: config.yaml, the checkpoint, the EMA export's
+    sidecar; sample.py beside its samples; preprocess.py in its cache): the options it was given (the shared ones and
+    its model family's own only, so a process that lacks another family's module reads it; `family` where the
+    config does not name it, sample.py), then in a `decided` table the values that its data, cache, checkpoint or
+    machine settled and that differ from them (a captioned set's 0 classes, a cache's image size, the worker count).
+    Without that table the record is the run's options, so the file is always a valid --config (the rerun decides
+    the same values again); `settings_of` lays the table over the options for what reads how the run ran."""
+    base, part = next(_PARTS[name] for name in _PARTS if isinstance(chosen, _PARTS[name][0]))
+    if family is None:
+        family = family_of(chosen.model) if isinstance(chosen, TrainOptions) else FAMILIES[chosen.family]
+    options = getattr(family, part)
+    names = {f.name for f in dataclasses.fields(base)} | \
         ({f.name for f in dataclasses.fields(options)} if options is not None else set())
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
+    record = {k: v for k, v in dataclasses.asdict(chosen).items() if k in names}
+    final = dataclasses.asdict(resolved) if resolved is not None else record
+    decided = {k: final[k] for k in record if k in final and final[k] != record[k]}
+    return {**record, DECIDED: decided} if decided else record
+
+
+def settings_of(record: dict) -> dict:
+    """A run's recorded settings as it ran: its options with the values it decided (run_record) laid over."""
+    return {**{k: v for k, v in record.items() if k != DECIDED}, **(record.get(DECIDED) or {})}
 
 
 def save_yaml(cfg, path) -> None:
@@ -605,7 +622,11 @@ def save_yaml(cfg, path) -> None:
 
 
 def load_yaml(cls, path):
+    """A config.yaml as the run it records ran (the values it decided laid over its options: settings_of)."""
     data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get(DECIDED, {}), dict):
+        raise ValueError(f"{path}: not a table of options (name: value, and a {DECIDED} table)")
+    data = settings_of(data)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:

@@ -3,7 +3,8 @@
 A file sets the same options as the flags, by their names without the dashes, at its top level or in a table
 named after the option's section in `--help` (`[optimizer]`, `[schedule]`, `[model_and_data]`; a model family's
 own options in `[family]`). Flags given on the command line override the file. The `config.yaml` a run writes
-is such a file: `train.py --config outputs/000-DiT-Ti-4/config.yaml` runs it again.
+is such a file: `train.py --config outputs/000-DiT-Ti-4/config.yaml` runs it again (its `decided` table, the
+values the run's data and machine settled, is read by sample.py and skipped here: the rerun decides them again).
 
 Every value is checked before anything is built: an unknown name is an error naming the file, the key and the
 nearest valid name; a value of the wrong type names the key and the type it must have; a value outside an
@@ -22,6 +23,7 @@ import yaml
 from opendit.options import choices_of
 
 FAMILY_TABLE = "family"
+DECIDED = "decided"  # a run's config.yaml: what its data and machine decided (config.run_record), not options
 
 
 def read_file(path) -> dict:
@@ -130,6 +132,8 @@ def config_values(cls, path) -> dict:
         values[key] = _checked(fields[key], hints[key], value, where)
 
     for key, value in data.items():
+        if key == DECIDED:  # a rerun decides these again
+            continue
         if isinstance(value, dict):
             if key not in set(tables.values()):
                 raise ValueError(f"{path}: [{key}]: no such table{nearest(key, set(tables.values()))} (tables: "

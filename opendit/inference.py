@@ -65,7 +65,7 @@ def _sidecar_config(path: Path) -> dict:
         meta = json.loads(path.read_bytes().decode("utf-8"))
         if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
             raise ValueError("not an object with a 'config' object")
-        return meta.get("config", {})
+        return cfglib.settings_of(meta.get("config", {}))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"{path} (the settings written beside an EMA export) is corrupt "
                                      f"({type(e).__name__}: {e}); export again, {_NO_SETTINGS}") from None
@@ -81,7 +81,7 @@ def _opendit_weights(path: Path) -> tuple[Path, dict]:
             if (path / name).is_file():
                 return weights, read(path / name)
         extra = safe_load(path / "trainer.pt")["extra"] if (path / "trainer.pt").is_file() else {}
-        return weights, extra.get("config", {})  # the config train.py also keeps in the checkpoint
+        return weights, cfglib.settings_of(extra.get("config", {}))  # train.py keeps it in the checkpoint too
     sidecar = path.with_suffix(".json")  # written by export_weights beside an export
     return path, (_sidecar_config(sidecar) if sidecar.is_file() else {})
 
@@ -306,7 +306,7 @@ def sample_to_folder(cfg) -> None:
     setup_logging(info.rank)
     set_tf32(info.device)
     loaded = load_model(cfg, info.device)
-    family, run = loaded.family, loaded.cfg
+    family, run, given = loaded.family, loaded.cfg, cfg
     try:
         cfg = complete_sample_config(family, cfg, run)
         conditions = family.conditions(cfg, run)
@@ -331,5 +331,6 @@ def sample_to_folder(cfg) -> None:
     dist.barrier()
     if info.rank == 0:
         written = writer.finish(num, conditions)
+        cfglib.save_yaml(cfglib.run_record(given, cfg, family), Path(cfg.out) / "config.yaml")  # reruns them
         logger.info("wrote %s (%s)", cfg.out, ", ".join(written))
     cleanup()

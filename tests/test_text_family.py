@@ -42,7 +42,7 @@ def test_its_option_and_dataset_join_the_flags():
     with pytest.raises(ValueError, match="--word_dim 0: must be an integer > 0"):
         cfglib.check_config(cfglib.TrainConfig(model="Shapes-S", dataset="shapes", word_dim=0))
     # a run records the shared options and its own family's only: a process without this module reads a DiT run
-    dit, shapes = (cfglib.run_settings(cfglib.TrainConfig(model=m)) for m in ("DiT-S/2", "Shapes-S"))
+    dit, shapes = (cfglib.run_record(cfglib.TrainConfig(model=m)) for m in ("DiT-S/2", "Shapes-S"))
     assert "learn_sigma" in dit and "word_dim" not in dit and "t5" not in dit
     assert "word_dim" in shapes and "t5" not in shapes and set(dit) < set(shapes)
 
@@ -78,7 +78,8 @@ def test_a_family_from_outside_trains_resumes_samples_and_caches_through_the_ent
     cached = tmp_path / "cached"
     run("train.py", "--model", "Shapes-S", "--dataset", "latents", "--data_path", cache, "--batch_size", "16",
         "--max_steps", "2", "--log_every", "1", "--num_workers", "0", "--outputs", cached)
-    assert yaml.safe_load((cached / "000-Shapes-S" / "config.yaml").read_text())["word_dim"] == 8
+    record = yaml.safe_load((cached / "000-Shapes-S" / "config.yaml").read_text())
+    assert record["word_dim"] is None and record["decided"]["word_dim"] == 8  # the cache's, not an option given
     assert [s for s, _ in losses(cached / "000-Shapes-S")] == [1, 2]
     wrong = run("train.py", "--model", "Shapes-S", "--dataset", "latents", "--data_path", cache, "--word_dim", "16",
                 "--max_steps", "1", "--outputs", cached, status=2)

@@ -95,10 +95,10 @@ def table(cfg, choice: Choice, budget: tuple[float, float], on_cpu: bool) -> str
 
 
 def apply_memory_budget(cfg):
-    """train.py --memory_budget: the resolved config with the planned options (rank 0 prints the table); the
+    """train.py --memory_budget: the config with the planned options (rank 0 prints the table); the
     options land in the run's config.yaml with the rest."""
-    cfg = family_of(cfg.model).resolve_config(cfg)
-    planned, _, text = plan_config(cfg, cfg.memory_budget, int(os.environ.get("WORLD_SIZE", "1")))
+    _, choice, text = plan_config(family_of(cfg.model).resolve_config(cfg), cfg.memory_budget,
+                                  int(os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("RANK", "0") == "0":
         print(text, flush=True)
-    return planned
+    return dataclasses.replace(cfg, **dataclasses.asdict(choice.options))  # the rest as given: the data decides

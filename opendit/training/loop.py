@@ -77,6 +77,7 @@ class Interval:
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
         cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
+        self.chosen = cfg  # the run's options as given; self.cfg adds what the data and machine decide
         check_lora_flags(cfg)
         self.family = family_of(cfg.model)
         # a --dataset_config, read and checked once, before anything is built
@@ -243,7 +244,7 @@ class Trainer:
                 name = f"config-from-{Path(self.resume_from).name}.yaml"
             else:
                 run, name = new_run_dir(self.cfg.outputs, self.cfg.model), "config.yaml"
-            cfglib.save_yaml(cfglib.run_settings(self.cfg), run / name)
+            cfglib.save_yaml(cfglib.run_record(self.chosen, self.cfg), run / name)
         else:
             run = None
         return Path(broadcast_object(str(run) if run else None))

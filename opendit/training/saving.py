@@ -24,7 +24,7 @@ class RunSaver:
         self.last = last
 
     def save(self, trainer) -> None:
-        settings = cfglib.run_settings(trainer.cfg)
+        settings = cfglib.run_record(trainer.chosen, trainer.cfg)
         extra = {"data": trainer.loader.state_dict(), "config": settings}
         if trainer.booster.scaler is not None:
             extra["loss_scaler"] = trainer.booster.scaler.state_dict()
