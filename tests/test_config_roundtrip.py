@@ -112,3 +112,13 @@ def test_preprocess_config_yaml_writes_the_same_cache(tmp_path, family):
     run_here("preprocess.py", "--config", tmp_path / "c1" / "config.yaml", "--out", tmp_path / "c2")
     assert _digests(tmp_path / "c1") == _digests(tmp_path / "c2")
     assert json.loads((tmp_path / "c2" / "manifest.json").read_text())["count"] > 0
+
+
+def test_a_memory_budget_run_records_the_planned_options_and_leaves_the_rest_to_the_data(tmp_path):
+    common = ["--model", "DiT-debug", "--dataset", "digits", "--image_size", 8, "--batch_size", 16, "--max_steps", 1,
+              "--num_workers", 0]
+    run_here("train.py", *common, "--memory_budget", "4,8", "--outputs", tmp_path / "a")
+    record = yaml.safe_load(next((tmp_path / "a").glob("*/config.yaml")).read_text())
+    # before: the planner's stand-in class count (ImageNet's 1000) was recorded, and trained, as a choice
+    assert record["num_classes"] is None and record["decided"]["num_classes"] == 10
+    assert record["memory_budget"] == "4,8"
