@@ -465,11 +465,12 @@ def _family_fields(part: str) -> tuple[list, dict]:
 
 def run_family(cfg_or_cls, values: dict):
     """(the run's family, the option that names it, the family options' part) of a train.py or preprocess.py config
-    class given its --model / --family values; None where the family is not known when parsing (sample.py, or a
-    name that is not registered: the parser reports that)."""
+    class given its --model / --family values; None where the family is not known when parsing (sample.py without
+    --model: the checkpoint tells it; or a name that is not registered: the parser reports that)."""
     cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
-    if issubclass(cls, TrainOptions) and values.get("model") in all_models():
-        return family_of(values["model"]), f"--model {values['model']}", _PARTS["TrainConfig"][1]
+    if issubclass(cls, (TrainOptions, SampleOptions)) and values.get("model") in all_models():
+        part = _PARTS["TrainConfig" if issubclass(cls, TrainOptions) else "SampleConfig"][1]
+        return family_of(values["model"]), f"--model {values['model']}", part
     if issubclass(cls, PreprocessOptions) and values.get("family") in FAMILIES:
         return FAMILIES[values["family"]], f"--family {values['family']}", _PARTS["PreprocessConfig"][1]
     return None
@@ -490,10 +491,12 @@ def foreign_names(family, part: str) -> set[str]:
     return {name for name, families in option_owners(part).items() if family.name not in families}
 
 
-def foreign_options(cfg, given) -> str | None:
+def foreign_options(cfg, given, run=None) -> str | None:
     """The error for options among `given` (names set on the command line or in a --config file) that belong to
-    other model families than the run's (train.py: --model's; preprocess.py: --family), None when there are none."""
-    run = run_family(cfg, dataclasses.asdict(cfg))
+    other model families than the run's, None when there are none. `run`: (family, what names it, options part);
+    default run_family's (train.py: --model's; preprocess.py: --family; sample.py: --model's, else the
+    checkpoint's, which sample.py asks once it has read it)."""
+    run = run or run_family(cfg, dataclasses.asdict(cfg))
     if run is None:
         return None
     family, which, part = run

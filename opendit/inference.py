@@ -188,6 +188,15 @@ def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:
     return base, str(own)
 
 
+def refuse_foreign_options(sample_cfg, family, model: str) -> None:
+    """A ValueError when sample_cfg sets an option of another family than the checkpoint's (a value other than the
+    option's default: one at its default changes nothing)."""
+    given = {f.name for f in dataclasses.fields(sample_cfg) if getattr(sample_cfg, f.name) != cfglib.default_of(f)}
+    refusal = cfglib.foreign_options(sample_cfg, given, (family, f"the checkpoint's model {model}", "sample_options"))
+    if refusal:
+        raise ValueError(refusal)
+
+
 def complete_sample_config(family, sample_cfg, cfg):
     """The one place the family's sampling defaults (sampler, steps, guidance scale) fill what sample_cfg left
     out (None); a sampler the family does not have is a ValueError naming the ones it has."""
@@ -308,6 +317,7 @@ def sample_to_folder(cfg) -> None:
     loaded = load_model(cfg, info.device)
     family, run, given = loaded.family, loaded.cfg, cfg
     try:
+        refuse_foreign_options(cfg, family, run.model)
         cfg = complete_sample_config(family, cfg, run)
         conditions = family.conditions(cfg, run)
         dp_rank, dp_size, writes = sampling_groups(loaded, cfg, conditions, info)  # SP and CFG-parallel groups

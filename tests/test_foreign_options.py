@@ -101,3 +101,35 @@ def test_help_with_a_model_shows_its_familys_options_only(name, capsys):
 def _flag_in(help_text: str, option: str) -> bool:
     """Whether --help lists the flag (a line of its own, not a mention in another flag's text)."""
     return re.search(rf"^  --{re.escape(option)}[ ,\n]", help_text, re.M) is not None
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_sample_py_refuses_another_familys_option_and_helps_with_its_own(name, capsys):
+    family, found = FAMILIES[name], _foreign(FAMILIES[name], "sample_options")
+    model = _debug_model(family)
+    if found is not None:
+        option, value, owner = found
+        line = _refusal(capsys, cfglib.SampleConfig, ["--model", model, "--ckpt", "x", f"--{option}", value])
+        assert f"--{option} is an option of the" in line and owner in line and f"--model {model}" in line
+    with pytest.raises(SystemExit):
+        parse_config(cfglib.SampleConfig, None, ["--model", model, "--help"])
+    out = capsys.readouterr().out
+    own = [f.name for f in dataclasses.fields(family.sample_options)] if family.sample_options else []
+    assert all(_flag_in(out, option) for option in own) and _flag_in(out, "cfg_scale")
+    assert not [option for option in cfglib.foreign_names(family, "sample_options") if _flag_in(out, option)]
+
+
+def test_sample_py_without_model_refuses_another_familys_option_once_the_checkpoint_tells_the_family(tmp_path):
+    from opendit.distributed import cleanup
+    from opendit.inference import sample_to_folder
+    from tests.test_train import run_trainer, tiny_cfg
+
+    run_trainer(tiny_cfg(tmp_path, max_steps=1, ckpt_every=1))
+    cfg = cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path), guidance=5.0, out=str(tmp_path / "s"))
+    with pytest.raises(SystemExit, match=r"sample.py: --guidance is an option of the flux family, not of the dit "
+                                         r"family that the checkpoint's model DiT-debug belongs to"):
+        try:
+            sample_to_folder(cfg)
+        finally:
+            cleanup()  # the process group sample.py's exit would end
+    assert not (tmp_path / "s").exists()
