@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from opendit import config as cfglib
-from opendit.cli import parse_config, run_entry, say, setup_finished
+from opendit.cli import parse_config, run_entry, say
 from opendit.data.buckets import bucket_assignment, bucket_ids
 from opendit.data.latent_shards import clear_range, mark_done, range_done, tar_shard_writer
 from opendit.data.latents import (ARRAYS, CACHE_DTYPES, CACHE_VERSION, FLIP_ARRAYS, MANIFEST, PARTIAL_SUFFIX,
                                   write_shard)
 from opendit.distributed import broadcast_object, cleanup, exit_process, init_distributed
+from opendit.errors import setup_finished
 from opendit.families import get_family
 
 logger = logging.getLogger("opendit.preprocess")

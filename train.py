@@ -9,7 +9,8 @@
 A bad flag or file ends the run before it starts with one line, `error: ...`, and exit status 2 (opendit/cli.py).
 """
 from opendit import config as cfglib
-from opendit.cli import parse_config, run_entry, setup_finished
+from opendit.cli import parse_config, run_entry
+from opendit.errors import setup_finished
 
 
 def main(cfg: cfglib.TrainConfig) -> None:

@@ -4,9 +4,9 @@ A bad flag value, a missing or unreadable file, an impossible combination: found
 the user's to fix. Rank 0 prints `error: <message>` (the message names the flag or file and the fix), every
 rank leaves the process group and exits with status 2, and no traceback is shown; OPENDIT_TRACEBACK=1 shows it
 instead. argparse's errors (an unknown flag, a value of the wrong type or not among the choices) become one
-such line too. Once set-up is over (`setup_finished()`, called by the entry before its first training or
-sampling step) an exception is a fault of the run, not of its flags: it keeps its traceback, except a RunStopped
-(too many non-finite steps, a dead peer), whose message already says what happened: one line, exit status 1.
+such line too. Once set-up is over (`opendit.errors.setup_finished()`, called before the first training or sampling
+step) an exception is a fault of the run, not of its flags: it keeps its traceback, except a RunStopped (too many
+non-finite steps, a dead peer), whose message already says what happened: one line, exit status 1.
 
 Under torchrun, which ends every rank once one exits, rank 0 marks in the job's store that it printed, and the
 other ranks wait for that mark (at most 30 s, else they print their own line with their rank) before they exit
@@ -21,23 +21,11 @@ import sys
 
 from opendit import config as cfglib
 from opendit.config_files import config_values
+from opendit.errors import RunStopped, setup_is_over
 
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                PermissionError)
 TRACEBACK_ENV = "OPENDIT_TRACEBACK"
-_setup_over = False
-
-
-class RunStopped(RuntimeError):
-    """A run that stopped on a fault it diagnosed itself (too many non-finite steps, a peer that stopped
-    answering): its message says what happened and where to resume, so it is printed as the one error line,
-    exit status 1, without a traceback (OPENDIT_TRACEBACK=1 shows it)."""
-
-
-def setup_finished() -> None:
-    """From now on errors are faults of the run and keep their traceback."""
-    global _setup_over
-    _setup_over = True
 
 
 def _is_rank0() -> bool:
@@ -166,13 +154,13 @@ def run_entry(main_fn, cfg, check=None):
             raise
         fail(message(e), code=1)
     except USER_ERRORS as e:
-        if _setup_over or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        if setup_is_over() or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         if isinstance(e, KeyError) and " " not in message(e):  # KeyError('name'): a lookup bug, not a message
             raise
         fail(message(e))
     except Exception:
-        if _setup_over or _is_rank0() or not _rank0_failed():
+        if setup_is_over() or _is_rank0() or not _rank0_failed():
             raise
         # rank 0 stopped on a user error it alone saw (and printed) while this rank waited for it in a collective
         fail("rank 0 failed", hint=False)

@@ -5,36 +5,29 @@ model-specific (noise shape, conditioning, sampler, outputs) is the family's; so
 opendit's own (an official release, a diffusers folder), which a family recognises.
 """
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
 from opendit import config as cfglib
 from opendit.booster.parallelize import apply_compile
 from opendit.booster.precision import cast_forward_io, compute_dtype, set_tf32
-from opendit.checkpoint import CheckpointCorruptError, checkpoint_kind, latest_run_checkpoint, load_into_meta_model
-from opendit.checkpoint.layout import is_step_dir
-from opendit.checkpoint.safe_read import safe_load
-from opendit.checkpoint.weights import ACCEPTED
-from opendit.cli import setup_finished
+from opendit.checkpoint import latest_run_checkpoint, load_into_meta_model
+from opendit.console import setup_logging
 from opendit.distributed import cleanup, init_distributed
 from opendit.encoders.vae_decode import DecodeOptions, check_tile_size
-from opendit.families import FAMILIES, LoadedModel, check_model_contract, family_of
+from opendit.errors import setup_finished
+from opendit.families import LoadedModel, check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.lora.run import apply_lora_files, parse_lora_spec
 from opendit.models.step_cache import THRESHOLD_CACHES, StepCache, check_supported, make_step_cache
-from opendit.training.run_log import setup_logging
+from opendit.run_files import weights_and_adapters
 from opendit.parallel import (enable_cfg_parallel, enable_sequence_parallel, sampling_mesh, validate_cfg_parallel,
                               validate_sp)
 
 logger = logging.getLogger("opendit")
-
-_NO_SETTINGS = "or delete it and pass --model, --image_size and --num_classes"
-
 
 def checkpoint_overrides(cfg) -> dict:
     """sample.py's flags that replace what the checkpoint was trained with (fields marked from_checkpoint)."""
@@ -42,87 +35,12 @@ def checkpoint_overrides(cfg) -> dict:
             if f.metadata.get("from_checkpoint") and getattr(cfg, f.name) is not None}
 
 
-def accepted_checkpoints() -> str:
-    """What --ckpt takes, in words: opendit's own checkpoints and every family's foreign formats."""
-    return ", ".join([ACCEPTED, *(f for family in FAMILIES.values() for f in family.checkpoint_formats)])
-
-
-def _train_config(path: Path) -> dict:
-    """A step folder's config.yaml (train.py writes it) as a dict; a clear error when it does not parse."""
-    import yaml
-
-    try:
-        return cfglib.to_dict(cfglib.load_yaml(cfglib.TrainConfig, path))
-    except (yaml.YAMLError, UnicodeDecodeError, ValueError, TypeError) as e:
-        raise CheckpointCorruptError(
-            f"{path} is not a readable training config ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
-            f"copy it from the run folder (its config.yaml), {_NO_SETTINGS}") from None
-
-
-def _sidecar_config(path: Path) -> dict:
-    """The "config" of an export's .json sidecar (written by export_weights); a clear error when unreadable."""
-    try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
-        if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
-            raise ValueError("not an object with a 'config' object")
-        return cfglib.settings_of(meta.get("config", {}))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{path} (the settings written beside an EMA export) is corrupt "
-                                     f"({type(e).__name__}: {e}); export again, {_NO_SETTINGS}") from None
-
-
-def _opendit_weights(path: Path) -> tuple[Path, dict]:
-    """(weights to load, the training config found beside or inside `path`, {} if none)."""
-    if path.is_dir():
-        # the EMA export written beside the DCP shards; without it (a crash between the two) read the shards
-        export = path / "ema.safetensors"
-        weights = export if export.is_file() else path
-        for name, read in (("config.yaml", _train_config), ("ema.json", _sidecar_config)):
-            if (path / name).is_file():
-                return weights, read(path / name)
-        extra = safe_load(path / "trainer.pt")["extra"] if (path / "trainer.pt").is_file() else {}
-        return weights, cfglib.settings_of(extra.get("config", {}))  # train.py keeps it in the checkpoint too
-    sidecar = path.with_suffix(".json")  # written by export_weights beside an export
-    return path, (_sidecar_config(sidecar) if sidecar.is_file() else {})
-
-
-def _recognize(path: Path, model: str | None) -> tuple[dict, dict | None] | None:
-    """A checkpoint without an opendit config: (settings, state or None) from the first family (the named
-    model's first) that knows it, or None."""
-    families = list(FAMILIES.values())
-    if model is not None:
-        families.insert(0, family_of(model))
-    for family in families:
-        try:
-            found = family.recognize_checkpoint(str(path))
-        except SafetensorError as e:
-            raise CheckpointCorruptError(f"{path} is not a readable safetensors file ({e}): truncated or "
-                                         f"corrupt; export or download it again") from None
-        if found is not None:
-            return found
-    return None
-
-
-def read_checkpoint(path: Path, model: str | None) -> tuple[str, dict, dict | None]:
-    """(where the weights are, the training settings, the state dict when reading the settings loaded it)."""
-    if path.is_dir() and not is_step_dir(str(path)):  # a folder a family may know (e.g. a diffusers folder)
-        found = _recognize(path, model)
-        if found is not None:
-            return str(path), *found
-    checkpoint_kind(str(path), accepted_checkpoints())  # a missing path, an empty or foreign file, a stray folder
-    weights, trained = _opendit_weights(path)
-    if trained:
-        return str(weights), trained, None
-    found = _recognize(path, model)
-    return (str(weights), *found) if found is not None else (str(weights), {}, None)
-
-
 def load_model(cfg, device) -> LoadedModel:
     """The checkpoint of `cfg.ckpt` ("latest": newest under cfg.outputs) with its family, encoders and the
     run's settings (flags win over the checkpoint's training config, which wins over a family's defaults)."""
     path = Path(latest_run_checkpoint(cfg.outputs) if cfg.ckpt == "latest" else cfg.ckpt)
     flags = checkpoint_overrides(cfg)
-    weights, trained, state, adapters = _weights_and_adapters(path, flags.get("model"))
+    weights, trained, state, adapters = weights_and_adapters(path, flags.get("model"))
     adapters += [parse_lora_spec(s) for s in cfg.lora]
     settings = {**trained, **flags}
     name = settings.get("model")
@@ -141,7 +59,7 @@ def load_model(cfg, device) -> LoadedModel:
     if companions:
         logger.info("%s holds the %s model too (kept on the CPU while idle)", weights, " and ".join(companions))
     for role, companion in family.companion_checkpoints(run, cfg, weights).items():  # kept on the CPU until used
-        c_weights, _, c_state, c_adapters = _weights_and_adapters(Path(companion), name)
+        c_weights, _, c_state, c_adapters = weights_and_adapters(Path(companion), name)
         companions[role] = _network(family, run, shape, companion, c_weights, c_state, c_adapters, cfg, device)
         logger.info("loaded %s as the %s model (kept on the CPU while idle)", c_weights, role)
     loaded = LoadedModel(family, model, encoders, run, shape, weights, companions=companions)
@@ -163,29 +81,6 @@ def _network(family, run, shape, path, weights: str, state, adapters: list, cfg,
     apply_lora_files(model, family, adapters)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     return speed_up(model.eval(), cfg.mixed_precision, cfg.compile)
-
-
-def _weights_and_adapters(path: Path, model: str | None) -> tuple[str, dict, dict | None, list]:
-    """read_checkpoint's (weights, training settings, state) and the adapters that go with them: a LoRA run's
-    checkpoint is its base weights plus its own lora.safetensors."""
-    weights, trained, state = read_checkpoint(path, model)
-    if not trained.get("lora_rank"):
-        return weights, trained, state, []
-    weights, own = lora_run_weights(path, trained)
-    return weights, trained, state, [(own, 1.0)]
-
-
-def lora_run_weights(path: Path, trained: dict) -> tuple[str, str]:
-    """(base weights, adapter file) of a LoRA run's checkpoint folder."""
-    own = path / "lora.safetensors" if path.is_dir() else None
-    if own is None or not own.is_file():
-        raise ValueError(f"{path} is a LoRA run's checkpoint without its lora.safetensors; pass the base weights as "
-                         f"--ckpt and the adapters with --lora FILE")
-    base = trained.get("init_weights")
-    if not base or not Path(base).exists():
-        raise ValueError(f"the base weights of LoRA checkpoint {path} ({base}) are not there; pass them as --ckpt "
-                         f"and the adapters with --lora {own}")
-    return base, str(own)
 
 
 def refuse_foreign_options(sample_cfg, family, model: str) -> None:

@@ -1,6 +1,6 @@
-"""The package's shape: imports point one way (building blocks -> checkpoint -> families -> config -> training,
-inference, cli -> entry scripts), no import cycle (imports inside functions count), and opendit/training/ names
-no family, model, dataset, encoder or sampler: it asks the family."""
+"""The package's shape: imports point one way (building blocks -> checkpoint -> families -> config -> lora ->
+inference -> training -> plan -> cli -> programs), no import cycle (imports inside functions count), and
+opendit/training/ names no family, model, dataset, encoder or sampler: it asks the family."""
 import ast
 import io
 import tokenize
@@ -10,15 +10,24 @@ from opendit.families import FAMILIES, all_datasets, all_models, all_samplers
 
 PACKAGE = Path(__file__).resolve().parents[1] / "opendit"
 
-# Low to high. A module may import its own layer's modules and lower layers', never a higher layer's.
+# Low to high. A module may import its own layer's modules and lower layers', never a higher layer's. The top
+# is ordered too: sampling below training (whose previews sample), the CLI's error handling above the library (which
+# raises, opendit.errors, and never prints), and the modules run as programs (`python -m opendit.X`: every
+# __main__, and prior) above everything.
 LAYERS = (
     {"models", "booster", "parallel", "optim", "kernels", "diffusion", "data", "encoders", "ema", "distributed",
-     "seeding", "options", "config_files", "images", "perf"},
+     "seeding", "options", "config_files", "images", "perf", "console", "errors"},
     {"checkpoint"},
     {"families"},
-    {"config"},
-    {"training", "inference", "cli", "eval", "plot", "flags_doc", "lora", "plan", "prior"},
+    {"config", "run_files"},
+    {"lora", "eval", "plot", "flags_doc"},
+    {"inference"},
+    {"training"},
+    {"plan"},
+    {"cli"},
+    {"prior"},
 )
+ENTRY = len(LAYERS)  # a package's __main__: a program, like the entry scripts
 
 
 def modules() -> dict[str, Path]:
@@ -59,11 +68,13 @@ def imports(name: str, path: Path, known: dict) -> list[tuple[str, int]]:
 
 
 def layer_of(module: str) -> int:
+    if module.endswith(".__main__"):
+        return ENTRY
     top = module.split(".")[1] if "." in module else ""
     for i, names in enumerate(LAYERS):
         if top in names:
             return i
-    return len(LAYERS)  # the package's own __init__ (imports nothing)
+    return ENTRY  # the package's own __init__ (imports nothing)
 
 
 def graph() -> dict[str, list[tuple[str, int]]]:

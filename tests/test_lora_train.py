@@ -88,7 +88,7 @@ def base(tmp_path_factory):
     is the same model with one weight changed."""
     root = tmp_path_factory.mktemp("lora_base")
     trainer, _ = run_trainer(tiny_cfg(root / "run", max_steps=10, log_every=10, lr=2e-3, ema_decay=0))
-    state, meta = model_state(trainer), {"config": cfglib.run_record(trainer.chosen, trainer.cfg)}  # sample.py reads it too
+    state, meta = model_state(trainer), {"config": cfglib.run_record(trainer.chosen, trainer.cfg)}
     export_weights(str(root / "base.safetensors"), state, metadata=meta)
     state["blocks.0.attn.qkv.weight"] = state["blocks.0.attn.qkv.weight"] + 1e-3
     export_weights(str(root / "other.safetensors"), state, metadata=meta)
@@ -371,7 +371,7 @@ def test_a_sharded_lora_run_resumes_exactly(two_process_runs):
 
 
 def test_sampling_a_lora_checkpoint_whose_base_moved_names_the_fix(tmp_path):
-    from opendit.inference import lora_run_weights
+    from opendit.run_files import lora_run_weights
 
     step = tmp_path / "step-000010"
     step.mkdir()

@@ -1,7 +1,9 @@
 """Signs of life and health in a run's log: a first line after the first step, a status between log lines,
 step time, data wait and memory per interval."""
 import json
+import logging
 
+from opendit import console
 from opendit.training import run_log
 from tests.test_train import run_trainer, tiny_cfg
 
@@ -29,7 +31,7 @@ def test_status_line_on_a_terminal_is_cleared_before_log_records(capsys):
             pass
 
     stream = Tty()
-    run_log._Status.show("step 3/10 | 2 steps/s", stream)
-    handler = run_log._StatusAwareHandler(stream)
-    handler.emit(run_log.logging.LogRecord("opendit", 30, __file__, 1, "a warning", None, None))
+    console.Status.show("step 3/10 | 2 steps/s", stream)
+    handler = console._StatusAwareHandler(stream)
+    handler.emit(logging.LogRecord("opendit", 30, __file__, 1, "a warning", None, None))
     assert stream.text == "\r\x1b[Kstep 3/10 | 2 steps/s\r\x1b[Ka warning\n"

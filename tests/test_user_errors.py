@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from opendit import cli
+from opendit import cli, errors
 from tests.test_train import ROOT
 
 TRAIN = ["train.py", "--model", "DiT-debug", "--image_size", "8", "--batch_size", "8", "--max_steps", "1",
@@ -108,7 +108,7 @@ def test_traceback_on_request(tmp_path):
 
 
 def test_set_up_errors_are_one_line_later_errors_keep_their_traceback(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_setup_over", False)
+    monkeypatch.setattr(errors, "_setup_over", False)
 
     def bad_set_up(cfg):
         raise FileNotFoundError(2, "No such file or directory", "/data/x.png")
@@ -127,12 +127,12 @@ def test_set_up_errors_are_one_line_later_errors_keep_their_traceback(monkeypatc
     assert capsys.readouterr().err == "error: --sampler euler does not apply to DiT-S/2; use one of ddpm, ddim\n"
 
     def fails_in_a_step(cfg):
-        cli.setup_finished()
+        errors.setup_finished()
         raise ValueError("a bug in a step")
 
     with pytest.raises(ValueError, match="a bug in a step"):
         cli.run_entry(fails_in_a_step, None)
-    monkeypatch.setattr(cli, "_setup_over", False)
+    monkeypatch.setattr(errors, "_setup_over", False)
     with pytest.raises(KeyError):  # a bare key is a lookup bug, not a message for the user
         cli.run_entry(lambda cfg: {}["model"], None)
 

@@ -18,23 +18,19 @@ import torch
 
 from opendit.checkpoint import export_weights
 from opendit.families import family_of
-from opendit.inference import lora_run_weights, read_checkpoint
 from opendit.lora.formats import LAYOUTS, load_adapters, module_map, read_file, save_adapters
 from opendit.lora.lycoris import is_lycoris, load_lycoris
 from opendit.lora.layer import Adapter
 from opendit.lora.run import kohya_map, parse_lora_spec
+from opendit.run_files import weights_and_adapters
 
 logger = logging.getLogger("opendit")
 
 
 def _base(ckpt: str, model: str | None, loras: list[str]):
     """(family, official base state, training settings, [(file, strength)]) of --ckpt and --lora."""
-    path = Path(ckpt)
-    weights, trained, state = read_checkpoint(path, model)
-    adapters = [parse_lora_spec(s) for s in loras]
-    if trained.get("lora_rank"):
-        weights, own = lora_run_weights(path, trained)
-        adapters.insert(0, (own, 1.0))
+    weights, trained, state, adapters = weights_and_adapters(Path(ckpt), model)
+    adapters += [parse_lora_spec(s) for s in loras]
     name = model or trained.get("model")
     if name is None:
         raise ValueError(f"cannot tell the model of {ckpt}; pass --model")

@@ -23,7 +23,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from opendit.cli import RunStopped
+from opendit.errors import RunStopped
 
 logger = logging.getLogger("opendit")
 

@@ -15,6 +15,7 @@ from opendit.booster import Booster
 from opendit.booster.precision import compute_dtype, set_tf32
 from opendit.checkpoint import (find_resume_checkpoint, latest_run_checkpoint, load_checkpoint, load_into_meta_model,
                                 new_run_dir, resolve_checkpoint)
+from opendit.console import setup_logging
 from opendit.data import count_skipped
 from opendit.data.buckets import bucket_ids, bucket_summary
 from opendit.data.mixture import MixedDataset, first_dataset, load_mixture, read_dataset_config
@@ -33,7 +34,7 @@ from opendit.training.run_checks import validate_run
 from opendit.training.optimizer import cast_for_master_weights, prepare_boosted_optimizer
 from opendit.training.preview import Previewer, gather_preview_weights
 from opendit.training.validation import BucketSums, TrainingPart, Validator, holdout, spread
-from opendit.training.run_log import RunLogger, setup_logging
+from opendit.training.run_log import RunLogger
 from opendit.training.saving import RunSaver
 
 logger = logging.getLogger("opendit")

@@ -9,40 +9,12 @@ from pathlib import Path
 
 import torch
 
+from opendit.console import Status
+
 logger = logging.getLogger("opendit")
 
 QUIET_WHEN_ZERO = ("bad_steps", "skipped_images", "skipped_steps")  # counters left off the console line while 0
 HEARTBEAT_S = 60.0  # without a terminal: a status line when nothing was logged for this long
-
-
-class _Status:
-    """The one live status line on stderr (rank 0, a terminal only): log records clear it before printing."""
-    shown = False
-
-    @classmethod
-    def clear(cls, stream) -> None:
-        if cls.shown:
-            stream.write("\r\x1b[K")
-            cls.shown = False
-
-    @classmethod
-    def show(cls, text: str, stream) -> None:
-        stream.write("\r\x1b[K" + text)
-        stream.flush()
-        cls.shown = True
-
-
-class _StatusAwareHandler(logging.StreamHandler):
-    def emit(self, record):
-        _Status.clear(self.stream)
-        super().emit(record)
-
-
-def setup_logging(rank: int) -> None:
-    """INFO on rank 0, warnings only elsewhere, one format for all."""
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True,
-                        handlers=[_StatusAwareHandler(sys.stderr)])
 
 
 def memory_metrics(device: torch.device) -> dict:
@@ -96,7 +68,7 @@ class RunLogger:
         eta = (self.total_steps - step) / rate if rate > 0 else float("inf")
         text = f"step {step}/{self.total_steps} | {rate:.3g} steps/s | ETA {_fmt_eta(eta)}"
         if self.terminal:
-            _Status.show(text, sys.stderr)
+            Status.show(text, sys.stderr)
         else:
             next_log = min((step // self.log_every + 1) * self.log_every, self.total_steps)
             logger.info("%s (next log line at step %d)", text, next_log)
@@ -153,7 +125,7 @@ class RunLogger:
 
     def close(self) -> None:
         if self.terminal:
-            _Status.clear(sys.stderr)
+            Status.clear(sys.stderr)
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
