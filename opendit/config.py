@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from opendit.booster import PLUGINS, PRECISIONS
-from opendit.config_files import DECIDED
+from opendit.config_files import DECIDED, settings_of  # noqa: F401 (readers of a run's settings use it)
 from opendit.data.digits import DIGITS_HELP, parse_digits
 from opendit.data.latents import CACHE_DTYPES
 from opendit.families import FAMILIES, all_datasets, all_models, all_samplers, family_of
@@ -519,7 +519,7 @@ def config_class(name: str) -> type:
         clash = sorted(shared & {f[0] for f in fields})
         if clash:
             raise TypeError(f"family options {clash} clash with the shared options of {name}; rename them")
-        cls = dataclasses.make_dataclass(name, fields, bases=(base,),
+        cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True,
                                          namespace={"SECTIONS": {**base.SECTIONS, **sections}, "__module__": __name__})
         _MERGED[key] = cls
     return _MERGED[key]
@@ -613,11 +613,6 @@ def run_record(chosen, resolved=None, family=None) -> dict:
     final = dataclasses.asdict(resolved) if resolved is not None else record
     decided = {k: final[k] for k in record if k in final and final[k] != record[k]}
     return {**record, DECIDED: decided} if decided else record
-
-
-def settings_of(record: dict) -> dict:
-    """A run's recorded settings as it ran: its options with the values it decided (run_record) laid over."""
-    return {**{k: v for k, v in record.items() if k != DECIDED}, **(record.get(DECIDED) or {})}
 
 
 def save_yaml(cfg, path) -> None:

@@ -26,6 +26,11 @@ FAMILY_TABLE = "family"
 DECIDED = "decided"  # a run's config.yaml: what its data and machine decided (config.run_record), not options
 
 
+def settings_of(record: dict) -> dict:
+    """A run's recorded settings as it ran: its options with the values it decided (config.run_record) laid over."""
+    return {**{k: v for k, v in record.items() if k != DECIDED}, **(record.get(DECIDED) or {})}
+
+
 def read_file(path) -> dict:
     """A .toml, .yaml or .yml file as a dict; a ValueError naming the file (and the line) when it cannot be."""
     path = Path(path)

@@ -74,11 +74,12 @@ def check_value(f, value) -> None:
 def grouped(name: str, *sections: tuple) -> type:
     """One flat options dataclass (cfg.lr, cfg.plugin, ...) of named sections, each (title, option dataclasses...):
     the fields in that order, and SECTIONS {first field: title}, which `--help` and docs/flags.md show. A section
-    dataclass used in two (e.g. the speed flags of train.py and sample.py) is declared once."""
+    dataclass used in two (e.g. the speed flags of train.py and sample.py) is declared once. Frozen: a run's settings
+    change only into a new object (dataclasses.replace), never under a holder's feet."""
     fields, titles = [], {}
     for title, *parts in sections:
         own = [(f, typing.get_type_hints(part)[f.name]) for part in parts for f in dataclasses.fields(part)]
         titles[own[0][0].name] = title
         fields += [(f.name, hint, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
                    for f, hint in own]
-    return dataclasses.make_dataclass(name, fields, namespace={"SECTIONS": titles})
+    return dataclasses.make_dataclass(name, fields, namespace={"SECTIONS": titles}, frozen=True)

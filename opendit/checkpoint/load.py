@@ -13,6 +13,7 @@ from opendit.checkpoint.discovery import resolve_checkpoint
 from opendit.checkpoint.layout import EXPORTS, app_state, check_args, rank_file, read_meta, state_options
 from opendit.checkpoint.manifest import read_manifest, verify_checkpoint
 from opendit.checkpoint.safe_read import SafeReader, dcp_load, quiet_single_process, safe_load
+from opendit.config_files import settings_of
 from opendit.distributed import current_rank, in_process_group
 from opendit.seeding import seed_from_coordinates, set_rng_state
 
@@ -76,10 +77,10 @@ def _check_same_model(path: str, model_state: dict) -> None:
         import yaml
 
         with open(os.path.join(path, "config.yaml")) as f:
-            run = yaml.safe_load(f) or {}
+            run = settings_of(yaml.safe_load(f) or {})
         saved_with = " (" + " ".join(f"--{k} {run[k]}" for k in ("model", "image_size", "num_classes",
                                                                  "num_frames", "vae") if run.get(k) is not None) + ")"
-    except (OSError, ValueError, yaml.YAMLError):
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):  # no readable table: the message without it
         pass
     raise ValueError(f"checkpoint {path} holds another model than this run builds: {'; '.join(filter(None, found))}"
                      f". Resume with the flags it was saved with{saved_with}, or start from its weights "
