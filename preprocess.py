@@ -165,8 +165,8 @@ def _resume_partial(partial: str, cfg) -> None:
 def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
     """Encode the dataset into the cache folder cfg.out (all ranks call this) -> the manifest."""
     info = init_distributed()
-    family, given = get_family(cfg.family), cfg
-    cfg = family.resolve_cache_config(cfg)
+    family, given = get_family(cfg.family), cfglib.for_family(cfg)
+    cfg = family.resolve_cache_config(given)
     out = str(cfg.out).rstrip("/")
     if cfg.dtype not in CACHE_DTYPES:
         raise ValueError(f"--dtype {cfg.dtype!r} is not one of {', '.join(CACHE_DTYPES)}")

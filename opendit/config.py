@@ -525,6 +525,54 @@ def config_class(name: str) -> type:
     return _MERGED[key]
 
 
+_FAMILY_CLASSES: dict[tuple, type] = {}
+
+
+def family_class(family, name: str) -> type:
+    """The config class of one family's runs: the shared options of `name` (TrainConfig, SampleConfig,
+    PreprocessConfig) and that family's own only, frozen. It subclasses the family's options class when that is a
+    frozen dataclass (the built-in ones are), so the family's hooks take `cfg: FluxTrainOptions` and mean it;
+    another family's option is not an attribute of it."""
+    base, part = _PARTS[name]
+    options = getattr(family, part)
+    key = (name, family.name, options)
+    if key not in _FAMILY_CLASSES:
+        own = [] if options is None else dataclasses.fields(options)
+        inherit = options is not None and options.__dataclass_params__.frozen
+        fields = [] if inherit or options is None else [
+            (f.name, typing.get_type_hints(options)[f.name],
+             dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+            for f in own]
+        sections = {**base.SECTIONS, **({own[0].name: f"{family.name} family options"} if own else {})}
+        title = "".join(part.capitalize() for part in family.name.replace(".", "_").split("_"))
+        _FAMILY_CLASSES[key] = dataclasses.make_dataclass(
+            f"{title}{name}", fields, bases=(options, base) if inherit else (base,), frozen=True,
+            namespace={"SECTIONS": sections, "__module__": __name__})
+    return _FAMILY_CLASSES[key]
+
+
+def for_family(cfg, family=None, which: str | None = None):
+    """`cfg` (any config: the merged one the flags make, or one of family_class's) as its family's own config
+    (train.py, preprocess.py: the family that --model / --family names; else `family`, e.g. the checkpoint's, named
+    by `which` in words). A value other than the default of an option of another family is the one-line refusal of
+    foreign_options, as a ValueError."""
+    name = next(n for n, (base, _) in _PARTS.items() if isinstance(cfg, base))
+    if family is None:
+        run = run_family(cfg, {"model": getattr(cfg, "model", None), "family": getattr(cfg, "family", None)})
+        if run is None:  # a model that is not registered: the caller's checks name it
+            return cfg
+        family, which, _ = run
+    cls = family_class(family, name)
+    if type(cfg) is cls:
+        return cfg
+    keep = {f.name for f in dataclasses.fields(cls)}
+    given = {f.name for f in dataclasses.fields(cfg) if f.name not in keep and getattr(cfg, f.name) != default_of(f)}
+    refusal = foreign_options(cfg, given, (family, which, _PARTS[name][1]))
+    if refusal:
+        raise ValueError(refusal)
+    return cls(**{k: getattr(cfg, k) for k in keep})
+
+
 def __getattr__(name: str):
     if name in _PARTS:
         return config_class(name)

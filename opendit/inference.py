@@ -48,9 +48,9 @@ def load_model(cfg, device) -> LoadedModel:
         raise ValueError(f"cannot tell the model of {path}: no training config beside it and no model family "
                          f"recognises its weights; pass --model (and --image_size, --num_classes)")
     family = family_of(name)
-    known = {f.name for f in dataclasses.fields(cfglib.TrainConfig)}
-    run = family.sampling_config(cfglib.TrainConfig(**{k: v for k, v in settings.items() if k in known}),
-                                 given=set(settings))
+    trained_as = cfglib.family_class(family, "TrainConfig")
+    known = {f.name for f in dataclasses.fields(trained_as)}
+    run = family.sampling_config(trained_as(**{k: v for k, v in settings.items() if k in known}), given=set(settings))
     encoders = family.load_encoders(run, device, training=False)
     shape = family.latent_shape(run, encoders, data_channels=cfg.in_channels)
     model, companions = family.sampling_parts(_network(family, run, shape, path, weights, state, adapters, cfg,
@@ -81,15 +81,6 @@ def _network(family, run, shape, path, weights: str, state, adapters: list, cfg,
     apply_lora_files(model, family, adapters)
     configure_kernels(model, cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.enable_flashattn, device)
     return speed_up(model.eval(), cfg.mixed_precision, cfg.compile)
-
-
-def refuse_foreign_options(sample_cfg, family, model: str) -> None:
-    """A ValueError when sample_cfg sets an option of another family than the checkpoint's (a value other than the
-    option's default: one at its default changes nothing)."""
-    given = {f.name for f in dataclasses.fields(sample_cfg) if getattr(sample_cfg, f.name) != cfglib.default_of(f)}
-    refusal = cfglib.foreign_options(sample_cfg, given, (family, f"the checkpoint's model {model}", "sample_options"))
-    if refusal:
-        raise ValueError(refusal)
 
 
 def complete_sample_config(family, sample_cfg, cfg):
@@ -212,7 +203,7 @@ def sample_to_folder(cfg) -> None:
     loaded = load_model(cfg, info.device)
     family, run, given = loaded.family, loaded.cfg, cfg
     try:
-        refuse_foreign_options(cfg, family, run.model)
+        cfg = cfglib.for_family(cfg, family, f"the checkpoint's model {run.model}")
         cfg = complete_sample_config(family, cfg, run)
         conditions = family.conditions(cfg, run)
         dp_rank, dp_size, writes = sampling_groups(loaded, cfg, conditions, info)  # SP and CFG-parallel groups

@@ -122,13 +122,13 @@ class TextDiT(nn.Module):
         return torch.cat([torch.cat([guided, guided]), rest], dim=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShapesTrainOptions(GaussianTrainOptions):
     word_dim: int | None = opt(None, "width of the shapes family's word-vector text encoder; default: a cache's, "
                                      "else 16", check="positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShapesCacheOptions:
     word_dim: int = opt(16, "width of the shapes family's word-vector text encoder", check="positive")
 

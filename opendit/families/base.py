@@ -201,7 +201,7 @@ def preview_prompts(dataset, rows: int, model: str) -> list[str]:
     return prompts
 
 
-@dataclass
+@dataclass(frozen=True)
 class NegativePromptOption:
     """sample.py's --negative_prompt, for a text-conditioned family with true classifier-free guidance (its
     sample options list this among their bases)."""

@@ -11,14 +11,14 @@ from opendit.families.writers import VideoWriter
 from opendit.options import opt
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClipTrainOptions:
     num_frames: int | None = opt(None, "frames per clip; default: a latent cache's, else 16", check="positive")
     frame_interval: int | None = opt(None, "take every k-th frame of the source video; default: a cache's, else 1",
                                      check="positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClipSampleOptions:
     fps: int | None = opt(None, "frames per second of the MP4s and the GIF; default: the family's", check="positive")
     num_frames: int | None = opt(None, "frames per clip to sample (a multiple of the model's temporal patch; 1 + 4k "
@@ -26,7 +26,7 @@ class ClipSampleOptions:
                                        "--num_frames", check="positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClipCacheOptions:
     num_frames: int = opt(16, "frames per clip", check="positive")
     frame_interval: int = opt(1, "take every k-th frame of the source video", check="positive")

@@ -15,7 +15,7 @@ from opendit.options import opt
 from opendit.seeding import sampling_generator
 
 
-@dataclass
+@dataclass(frozen=True)
 class GaussianTrainOptions:
     learn_sigma: bool = opt(True, "the model also predicts the variance (DiT's IDDPM hybrid loss); false: fixed "
                                   "variance, MSE only")
@@ -23,7 +23,7 @@ class GaussianTrainOptions:
                                          "often, for classifier-free guidance", check="prob")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GaussianSampleOptions:
     learn_sigma: bool | None = opt(None, "default: the checkpoint's", from_checkpoint=True)
     ddim_eta: float = opt(0.0, "DDIM noise; 0: deterministic", check="nonneg")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from opendit import config as cfglib
 from opendit.booster.precision import compute_dtype
 from opendit.families import family_of
 from opendit.plan.account import PARTS, Run
@@ -97,7 +98,7 @@ def table(cfg, choice: Choice, budget: tuple[float, float], on_cpu: bool) -> str
 def apply_memory_budget(cfg):
     """train.py --memory_budget: the config with the planned options (rank 0 prints the table); the
     options land in the run's config.yaml with the rest."""
-    _, choice, text = plan_config(family_of(cfg.model).resolve_config(cfg), cfg.memory_budget,
+    _, choice, text = plan_config(family_of(cfg.model).resolve_config(cfglib.for_family(cfg)), cfg.memory_budget,
                                   int(os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("RANK", "0") == "0":
         print(text, flush=True)

@@ -78,6 +78,7 @@ class Interval:
 class Trainer:
     def __init__(self, cfg: cfglib.TrainConfig):
         cfglib.check_config(cfg)  # flag values no run can use fail first: no process group, folder or model yet
+        cfg = cfglib.for_family(cfg)  # the shared options and the family's own, typed: another family's is refused
         self.chosen = cfg  # the run's options as given; self.cfg adds what the data and machine decide
         check_lora_flags(cfg)
         self.family = family_of(cfg.model)

@@ -119,7 +119,7 @@ class Previewer:
         settings = family.preview_settings(cfg)
         if cfg.preview_steps:
             settings["num_sampling_steps"] = cfg.preview_steps
-        self.sample_cfg = complete_sample_config(family, cfglib.SampleConfig(
+        self.sample_cfg = complete_sample_config(family, cfglib.family_class(family, "SampleConfig")(
             **settings, seed=cfg.global_seed, batch_size=self.rows * self.cols, cache=cfg.preview_cache), cfg)
         check_step_cache(self.sample_cfg, family.models[cfg.model].constructor)  # now, not at the first preview
         self._sampling_encoders = None  # completed for sampling (e.g. a VAE) at the first preview, on rank 0

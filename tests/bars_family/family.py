@@ -22,17 +22,17 @@ from tests.bars_family.model import BarsDiT
 TEXT_WIDTH = "width of the bars family's letter-vector text encoder"
 
 
-@dataclass
+@dataclass(frozen=True)
 class BarsTrainOptions(ClipTrainOptions, GaussianTrainOptions):
     text_width: int | None = opt(None, TEXT_WIDTH + "; default: a cache's, else 16", check="positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BarsSampleOptions(ClipSampleOptions, GaussianSampleOptions):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class BarsCacheOptions(ClipCacheOptions):
     text_width: int = opt(16, TEXT_WIDTH, check="positive")
 

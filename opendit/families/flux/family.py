@@ -52,7 +52,7 @@ FLUX_VAE_SCALE = 0.3611
 FLUX_VAE_SHIFT = 0.1159
 
 
-@dataclass
+@dataclass(frozen=True)
 class FluxTrainOptions:
     clip: str = opt("none", CLIP_HELP)
     t5: str = opt("none", T5_HELP + ", required")
@@ -65,14 +65,14 @@ class FluxTrainOptions:
                                "training")
 
 
-@dataclass
+@dataclass(frozen=True)
 class FluxSampleOptions(NegativePromptOption):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
     t5: str | None = opt(None, "T5 encoder folder; default: the checkpoint's", from_checkpoint=True)
     guidance: float = opt(3.5, "models with a guidance embedding (flux-dev): the guidance they are given")
 
 
-@dataclass
+@dataclass(frozen=True)
 class FluxCacheOptions:
     clip: str = opt("none", "the CLIP text encoder folder whose pooled vectors to cache")
     t5: str = opt("none", "the T5 encoder folder whose token embeddings to cache")

@@ -54,7 +54,7 @@ CLIP_HELP = ("a local CLIP text encoder folder (transformers save_pretrained lay
              "text_encoder/)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class VideoTrainOptions(ClipTrainOptions, GaussianTrainOptions):
     clip: str = opt("none", CLIP_HELP + "; captions then condition instead of class labels")
     objective: str = opt("diffusion", "diffusion: IDDPM (DDPM / DDIM sampling); flow: flow matching (the model "
@@ -62,7 +62,7 @@ class VideoTrainOptions(ClipTrainOptions, GaussianTrainOptions):
                                       "--learn_sigma false)", OBJECTIVES)
 
 
-@dataclass
+@dataclass(frozen=True)
 class VideoSampleOptions(ClipSampleOptions, GaussianSampleOptions):
     clip: str | None = opt(None, "CLIP text encoder folder; default: the checkpoint's", from_checkpoint=True)
 

@@ -66,7 +66,7 @@ SHIFT_HELP = "time shift s of the flow schedule, t -> s t / (1 + (s - 1) t); def
 SAMPLERS = ("unipc", "euler")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WanTrainOptions(ClipTrainOptions):
     umt5: str = opt("none", UMT5_HELP + ", required")
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
@@ -84,7 +84,7 @@ class WanTrainOptions(ClipTrainOptions):
                                               "0.9)", check="prob")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
     umt5: str | None = opt(None, "UMT5 encoder folder; default: the checkpoint's", from_checkpoint=True)
     image: str | None = opt(None, "image-to-video (Wan2.2 TI2V and I2V models): the first frame, an image file for "
@@ -96,7 +96,7 @@ class WanSampleOptions(ClipSampleOptions, NegativePromptOption):
     flow_shift: float | None = opt(None, SHIFT_HELP, check="positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WanCacheOptions(ClipCacheOptions):
     umt5: str = opt("none", "the UMT5 encoder folder whose token embeddings to cache")
 

@@ -38,7 +38,7 @@ logger = logging.getLogger("opendit")
 TEXT_HELP = "the text encoder: a folder with the model and its tokenizer, or the model's diffusers pipeline folder"
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedTrainOptions:
     text_encoder: str = opt("none", TEXT_HELP + ", required")
     caption_dropout_prob: float = opt(0.1, "a caption's embedding is replaced by the empty caption's this often "
@@ -49,12 +49,12 @@ class WrappedTrainOptions:
                                       "samples this model; default: the model's release settings")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedCacheOptions:
     text_encoder: str = opt("none", TEXT_HELP + ": the --model's, whose prompt embeddings a cache stores")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedSampleOptions(NegativePromptOption):
     text_encoder: str | None = opt(None, "the text encoder folder; default: the checkpoint's", from_checkpoint=True)
 

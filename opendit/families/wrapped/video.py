@@ -11,17 +11,17 @@ from opendit.families.wrapped.kind import (DiffusersFamily, WrappedCacheOptions,
                                            WrappedTrainOptions)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedVideoTrainOptions(ClipTrainOptions, WrappedTrainOptions):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedVideoSampleOptions(ClipSampleOptions, WrappedSampleOptions):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrappedVideoCacheOptions(ClipCacheOptions, WrappedCacheOptions):
     pass
 
