@@ -133,3 +133,26 @@ def test_sample_py_without_model_refuses_another_familys_option_once_the_checkpo
         finally:
             cleanup()  # the process group sample.py's exit would end
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_a_runs_config_is_its_familys_own_frozen_class(name):
+    family = FAMILIES[name]
+    for part, cfg, which in (("train_options", cfglib.TrainConfig(model=_debug_model(family)), None),
+                             ("sample_options", cfglib.SampleConfig(ckpt="x"), "the checkpoint's model"),
+                             ("cache_options", cfglib.PreprocessConfig(family=name, out="x"), None)):
+        typed = cfglib.for_family(cfg, family if which else None, which)
+        options = getattr(family, part)
+        assert options is None or isinstance(typed, options), part  # what the family's hooks annotate
+        assert not [n for n in cfglib.foreign_names(family, part) if hasattr(typed, n)], part
+        assert dataclasses.asdict(typed).items() <= dataclasses.asdict(cfg).items()  # the same values, its own
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            typed.out = "elsewhere"
+
+
+def test_the_trainer_refuses_another_familys_option_set_in_code():
+    from opendit.training.loop import Trainer
+
+    with pytest.raises(ValueError, match=r"--umt5 is an option of the wan family, not of the dit family that "
+                                         r"--model DiT-debug belongs to"):
+        Trainer(cfglib.TrainConfig(model="DiT-debug", umt5="umt5-folder"))

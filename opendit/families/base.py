@@ -226,10 +226,12 @@ class ModelFamily:
     """The family interface. Subclasses set the class attributes and implement the methods; opendit.families.
     latent (data through a frozen VAE), .gaussian (Gaussian diffusion) and the built-in families implement it.
 
-    `cfg` below is always the run's training config (opendit.config.TrainConfig, whose fields are the shared
-    options plus every family's `train_options`): the live one while training, the one a checkpoint was trained
-    with (flags applied on top) while sampling. `sample_cfg` is a SampleConfig, `encoders` whatever
-    `load_encoders` returns.
+    `cfg` below is always the run's training config: the live one while training, the one a checkpoint was trained
+    with (flags applied on top) while sampling. It is frozen and of the family's own class (opendit.config.
+    family_class: the shared options and this family's `train_options` only, and an instance of that class, so a
+    family's hooks annotate `cfg: FluxTrainOptions`); another family's option is not there. `sample_cfg` (a
+    SampleConfig) and preprocess.py's config are made the same way, from `sample_options` and `cache_options`;
+    `encoders` is whatever `load_encoders` returns.
     """
     name: str = ""
     models: Mapping[str, ModelSpec] = {}
@@ -247,8 +249,9 @@ class ModelFamily:
     weights: WeightAdapter | None = None  # its weights in diffusers' layout and official release layouts
     # --lora_targets' default: a regex fully matching the names of the Linear layers that get adapters
     lora_targets: str = ""
-    # Option dataclasses (opendit.options.opt fields) merged into train.py's, sample.py's and preprocess.py's
-    # flags by opendit.config; a field of the same name in two families must have the same type and default.
+    # Option dataclasses (opendit.options.opt fields; frozen=True, as a run's config subclasses them) merged into
+    # train.py's, sample.py's and preprocess.py's flags by opendit.config; a field of the same name in two
+    # families must have the same type and default.
     train_options: type | None = None
     sample_options: type | None = None
     cache_options: type | None = None

@@ -57,6 +57,6 @@ class ClipFamily:
             options.update(digit_size=cfg.image_size // 2, bounce=False, border=True)
         return options
 
-    def writer(self, out_dir, sample_cfg, cfg) -> VideoWriter:
+    def writer(self, out_dir, sample_cfg: ClipSampleOptions, cfg: ClipTrainOptions) -> VideoWriter:
         return VideoWriter(Path(out_dir), npz=sample_cfg.npz, fps=sample_cfg.fps,
                            frames=sample_cfg.num_frames or cfg.num_frames)

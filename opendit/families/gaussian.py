@@ -55,7 +55,7 @@ class GaussianDiffusionFamily(LatentImageFamily):
         return ("image_size",) + (("num_classes",) if self.class_conditional else ())
 
     # ---- configuration and data ---------------------------------------------------------------------------
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: GaussianTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return {"channels": 3} if encoders.vae is not None and spec.channels != 3 else {}  # grey digits -> RGB
@@ -70,10 +70,10 @@ class GaussianDiffusionFamily(LatentImageFamily):
                              f"{cfg.dataset}; leave it out (the data's count is used) or pass at least {found}")
         return cfg
 
-    def objective(self, cfg, encoders) -> DiffusionObjective:
+    def objective(self, cfg: GaussianTrainOptions, encoders) -> DiffusionObjective:
         return DiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, labels=self.class_conditional)
 
-    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+    def memory_inputs(self, cfg: GaussianTrainOptions, model, latent_shape, batch, device) -> dict:
         """x [B, *latent], t [B] and labels y [B] or a pooled text vector [B, text_dim] (video with --clip)."""
         kw = dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.randint(0, 1000, (batch,), device=device))
         if getattr(model, "text_dim", None):
@@ -83,7 +83,7 @@ class GaussianDiffusionFamily(LatentImageFamily):
         return kw
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def conditions(self, sample_cfg, cfg) -> list:
+    def conditions(self, sample_cfg: GaussianSampleOptions, cfg: GaussianTrainOptions) -> list:
         if not self.class_conditional:
             if sample_cfg.class_labels:
                 raise ValueError(f"--class_labels: {cfg.model} is unconditional; leave them out")
@@ -94,7 +94,7 @@ class GaussianDiffusionFamily(LatentImageFamily):
             raise ValueError(f"--class_labels {bad} out of range 0..{cfg.num_classes - 1}")
         return labels
 
-    def make_sampler(self, sample_cfg, cfg) -> GaussianSampler:
+    def make_sampler(self, sample_cfg: GaussianSampleOptions, cfg: GaussianTrainOptions) -> GaussianSampler:
         # pixel-space models know their data lies in [-1, 1]: clamping x_0 keeps an early model from diverging
         return GaussianSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, cfg.learn_sigma,
                                eta=sample_cfg.ddim_eta, clip_denoised=is_none(cfg.vae))
@@ -130,10 +130,10 @@ class GaussianDiffusionFamily(LatentImageFamily):
         return {"y": torch.full((n,), loaded.cfg.num_classes, device=device)}
 
     # ---- previews ------------------------------------------------------------------------------------------
-    def preview_settings(self, cfg) -> dict:
+    def preview_settings(self, cfg: GaussianTrainOptions) -> dict:
         return {"sampler": "ddim", "num_sampling_steps": 50, "ddim_eta": 0.0}  # deterministic, quick
 
-    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+    def preview_conditions(self, cfg: GaussianTrainOptions, dataset, rows: int) -> list:
         if self.class_conditional and cfg.num_classes:
             return list(range(min(rows, cfg.num_classes)))
         return [None]

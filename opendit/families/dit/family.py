@@ -16,7 +16,7 @@ import torch.nn as nn
 from opendit.checkpoint import load_weights
 from opendit.data import DIGITS, FOLDER, LABELLED_STREAMS, LATENTS, dataset_map
 from opendit.families.base import ModelSpec, match_registry
-from opendit.families.gaussian import GaussianDiffusionFamily, official_shapes
+from opendit.families.gaussian import GaussianDiffusionFamily, GaussianTrainOptions, official_shapes
 from opendit.models.blocks import DIT_SIZES, is_per_sample_layer
 from opendit.families.dit.weights import DIT_WEIGHTS
 from opendit.families.dit.model import DiT
@@ -84,7 +84,7 @@ class DiTFamily(GaussianDiffusionFamily):
     defaults_help = {"cfg_scale": "DiT 4", "num_sampling_steps": "DiT 250",
                      "sampler": "DiT: ddpm (ancestral, default) or ddim", "vae_scale": "DiT: SD's 0.18215"}
 
-    def build_model(self, cfg, latent_shape):
+    def build_model(self, cfg: GaussianTrainOptions, latent_shape):
         channels, size, _ = latent_shape
         return self.models[cfg.model].build(input_size=size, in_channels=channels, num_classes=cfg.num_classes,
                                             learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob)

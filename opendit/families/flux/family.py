@@ -223,7 +223,7 @@ class FluxFamily(LatentImageFamily):
         spec = self.models.get(model) if model is not None else None
         return spec.constants[key] if spec is not None else FLUX_CONSTANTS["flux-dev"][key]
 
-    def default_sampling_steps(self, cfg) -> int:
+    def default_sampling_steps(self, cfg: FluxTrainOptions) -> int:
         return self.constant(cfg.model, "sampling_steps")
 
     # ---- configuration and data ---------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class FluxFamily(LatentImageFamily):
         return dataclasses.replace(super().fill_defaults(cfg), num_classes=0,
                                    t5_max_length=cfg.t5_max_length or self.constant(cfg.model, "t5_max_length"))
 
-    def load_encoders(self, cfg, device, training: bool) -> FluxEncoders:
+    def load_encoders(self, cfg: FluxTrainOptions | FluxCacheOptions, device, training: bool) -> FluxEncoders:
         if training and self.dataset_spec(cfg).cache:  # everything is in the cache
             return FluxEncoders(vae=None, t5=None, clip=None)
         for flag in ("t5", "clip"):
@@ -245,12 +245,12 @@ class FluxFamily(LatentImageFamily):
             shard_frozen(t5.model, t5.model.encoder.block, cfg.plugin)
         return FluxEncoders(vae=load_vae(cfg.vae, device), t5=t5, clip=load_text_encoder(cfg.clip, device, dtype=dtype))
 
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: FluxTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return {"channels": self.source_channels(cfg, encoders)}
 
-    def load_data(self, cfg, encoders: FluxEncoders):
+    def load_data(self, cfg: FluxTrainOptions, encoders: FluxEncoders):
         dataset, cfg = super().load_data(cfg, encoders)
         if self.dataset_spec(cfg).cache:
             if not dataset.embeddings:
@@ -260,7 +260,7 @@ class FluxFamily(LatentImageFamily):
         return dataset, dataclasses.replace(cfg, num_classes=0)
 
     # ---- model ---------------------------------------------------------------------------------------------
-    def build_model(self, cfg, latent_shape):
+    def build_model(self, cfg: FluxTrainOptions, latent_shape):
         channels, h, w = latent_shape
         model = self.models[cfg.model].build(in_channels=4 * channels, out_channels=4 * channels,
                                              context_in_dim=t5_encoder_dim(cfg.t5),
@@ -271,19 +271,19 @@ class FluxFamily(LatentImageFamily):
     def train_flops_per_sample(self, model) -> float:
         return 3 * 2 * float(flux_forward_macs(model, *model.num_tokens))
 
-    def text_encoder_bytes(self, cfg, device) -> dict:
+    def text_encoder_bytes(self, cfg: FluxTrainOptions, device) -> dict:
         size = encoder_dtype(device).itemsize
         return {"T5-XXL encoder": size * T5_SOURCE.params,
                 "CLIP-L text": size * CLIP_SOURCE.params}
 
-    def memory_model(self, cfg, latent_shape):
+    def memory_model(self, cfg: FluxTrainOptions, latent_shape):
         """build_model's model with T5-XXL's 4096-wide tokens and CLIP-L's 768-wide vector (the constructor's)."""
         channels, h, w = latent_shape
         model = self.models[cfg.model].build(in_channels=4 * channels, out_channels=4 * channels)
         model.num_tokens = (cfg.t5_max_length, (h // 2) * (w // 2))
         return model
 
-    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+    def memory_inputs(self, cfg: FluxTrainOptions, model, latent_shape, batch, device) -> dict:
         """The official forward's arguments: packed latents, --t5_max_length T5 tokens, the pooled CLIP vector."""
         _, h, w = latent_shape
         txt = torch.randn(batch, cfg.t5_max_length, model.txt_in.in_features, device=device)
@@ -292,7 +292,7 @@ class FluxFamily(LatentImageFamily):
         return flux_inputs(img, h, w, txt, y, torch.rand(batch, device=device),
                            cfg.guidance if model.guidance_embed else None)
 
-    def objective(self, cfg, encoders: FluxEncoders) -> FlowObjective:
+    def objective(self, cfg: FluxTrainOptions, encoders: FluxEncoders) -> FlowObjective:
         return FlowObjective(encoders, cfg, self.models[cfg.model].arch["guidance_embed"], self.vae_shift)
 
     # ---- sampling ------------------------------------------------------------------------------------------
@@ -311,10 +311,10 @@ class FluxFamily(LatentImageFamily):
         settings = dict(dataset="captions", image_size=1024, num_classes=0)  # the VAE, T5 and CLIP: from flags
         return ({**settings, "model": name} if name else settings), None
 
-    def conditions(self, sample_cfg, cfg) -> list:
+    def conditions(self, sample_cfg: FluxSampleOptions, cfg: FluxTrainOptions) -> list:
         return prompt_conditions(sample_cfg, cfg.model)
 
-    def make_sampler(self, sample_cfg, cfg) -> FluxSampler:
+    def make_sampler(self, sample_cfg: FluxSampleOptions, cfg: FluxTrainOptions) -> FluxSampler:
         guidance = sample_cfg.guidance if self.models[cfg.model].arch["guidance_embed"] else None
         return FluxSampler(sample_cfg.num_sampling_steps, self.constant(cfg.model, "time_shift"), guidance)
 
@@ -342,10 +342,11 @@ class FluxFamily(LatentImageFamily):
         return unpack_latents(euler_sample(velocity, pack_latents(z), timesteps, sampler.progress), h, w)
 
     # ---- previews ------------------------------------------------------------------------------------------
-    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+    def preview_conditions(self, cfg: FluxTrainOptions, dataset, rows: int) -> list:
         return preview_prompts(dataset, rows, cfg.model)
 
-    def preview_encoders(self, cfg, encoders: FluxEncoders, conditions: list, dataset) -> FluxEncoders:
+    def preview_encoders(self, cfg: FluxTrainOptions, encoders: FluxEncoders, conditions: list,
+                         dataset) -> FluxEncoders:
         """The prompts' (and the empty caption's) T5 and CLIP embeddings: encoded now, or read from a cache."""
         captions = [*conditions, ""]
         if encoders.t5 is not None and encoders.clip is not None:
@@ -359,19 +360,19 @@ class FluxFamily(LatentImageFamily):
         return FluxEncoders(vae=encoders.vae, t5=t5, clip=clip)
 
     # ---- caching -------------------------------------------------------------------------------------------
-    def resolve_cache_config(self, cfg):
+    def resolve_cache_config(self, cfg: FluxCacheOptions):
         if cfg.model is not None and cfg.model not in self.models:
             raise ValueError(f"--model {cfg.model} is not a FLUX model; valid: {', '.join(self.models)}")
         cfg = super().resolve_cache_config(cfg)
         return dataclasses.replace(cfg, t5_max_length=cfg.t5_max_length or self.constant(cfg.model, "t5_max_length"))
 
-    def cache_encoders(self, cfg, device) -> FluxEncoders:
+    def cache_encoders(self, cfg: FluxCacheOptions, device) -> FluxEncoders:
         return self.load_encoders(cfg, device, training=False)
 
-    def cache_dataset_options(self, cfg, spec) -> dict:
+    def cache_dataset_options(self, cfg: FluxCacheOptions, spec) -> dict:
         return {"channels": 3}
 
-    def cache_source(self, cfg, encoders):
+    def cache_source(self, cfg: FluxCacheOptions, encoders):
         """(image [3, H, W] in [-1, 1], label (the digit, or 0), caption) per item, no random flips."""
         return LabelledCaptions(super().cache_source(cfg, encoders))
 

@@ -177,18 +177,18 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
         cfg = super().fill_defaults(cfg)
         return dataclasses.replace(cfg, learn_sigma=False) if cfg.objective == "flow" else cfg
 
-    def load_encoders(self, cfg, device, training: bool) -> VideoEncoders:
+    def load_encoders(self, cfg: VideoTrainOptions | ClipCacheOptions, device, training: bool) -> VideoEncoders:
         skip_vae = training and self.dataset_spec(cfg).cache
         return VideoEncoders(vae=None if skip_vae else load_vae(cfg.vae, device),
                              text=load_text_encoder(cfg.clip, device))
 
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: VideoTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=cfg.global_seed,
                     channels=self.source_channels(cfg, encoders))
 
-    def load_data(self, cfg, encoders: VideoEncoders):
+    def load_data(self, cfg: VideoTrainOptions, encoders: VideoEncoders):
         dataset, cfg = super().load_data(cfg, encoders)
         if encoders.text is None and not dataset.num_classes:
             raise ValueError(f"--dataset {cfg.dataset} {cfg.data_path or ''} has captions but no labels; pass "
@@ -196,7 +196,8 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
         return dataset, cfg
 
     # ---- model ---------------------------------------------------------------------------------------------
-    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
+    def latent_shape(self, cfg: VideoTrainOptions | ClipCacheOptions, encoders, dataset=None,
+                     data_channels=None) -> tuple[int, int, int, int]:
         """(C, T, h, w): from a cached dataset, else from the clip length, image size, VAE and channels."""
         cached = getattr(dataset, "latent_shape", None)
         if cached is not None:
@@ -211,7 +212,7 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
                              f"{shape[1]} frames of {shape[2]}x{shape[3]}; change --num_frames / --image_size")
         return shape
 
-    def build_model(self, cfg, latent_shape):
+    def build_model(self, cfg: VideoTrainOptions, latent_shape):
         channels, frames, size, _ = latent_shape
         text_dim = text_encoder_dim(cfg.clip)
         return self.models[cfg.model].build(input_size=(frames, size, size), in_channels=channels,
@@ -222,11 +223,11 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
     def train_flops_per_sample(self, model) -> float:
         return video_train_flops_per_sample(model)
 
-    def text_encoder_bytes(self, cfg, device) -> dict:
+    def text_encoder_bytes(self, cfg: VideoTrainOptions, device) -> dict:
         size = encoder_dtype(device).itemsize
         return {} if is_none(cfg.clip) else {"CLIP-L text": size * CLIP_SOURCE.params}
 
-    def memory_model(self, cfg, latent_shape):
+    def memory_model(self, cfg: VideoTrainOptions, latent_shape):
         """build_model's model; captions (--clip) as CLIP-L's pooled 768-wide vector, without reading the folder."""
         channels, frames, size, _ = latent_shape
         clip = None if is_none(cfg.clip) else 768
@@ -235,7 +236,7 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
                                             learn_sigma=cfg.learn_sigma, class_dropout_prob=cfg.class_dropout_prob,
                                             text_dim=clip)
 
-    def objective(self, cfg, encoders: VideoEncoders) -> VideoDiffusionObjective:
+    def objective(self, cfg: VideoTrainOptions, encoders: VideoEncoders) -> VideoDiffusionObjective:
         if cfg.objective == "flow":
             return VideoFlowObjective(encoders.vae, cfg.vae_scale, encoders.text, cfg.class_dropout_prob)
         return VideoDiffusionObjective(encoders.vae, cfg.vae_scale, cfg.learn_sigma, encoders.text,
@@ -266,7 +267,7 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
                         learn_sigma=found["learn_sigma"])
         return ({**settings, "model": name} if name else settings), None
 
-    def conditions(self, sample_cfg, cfg) -> list:
+    def conditions(self, sample_cfg: VideoSampleOptions, cfg: VideoTrainOptions) -> list:
         if is_none(cfg.clip):
             if sample_cfg.prompts:
                 raise ValueError(f"--prompts: {cfg.model} was trained on class labels; pass --class_labels")
@@ -300,11 +301,11 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
             return latents.clamp(-1, 1)
         return decode_frames(vae, latents, loaded.cfg.vae_scale, options=loaded.vae_decode)
 
-    def sample_defaults(self, sample_cfg, cfg) -> dict:
+    def sample_defaults(self, sample_cfg: VideoSampleOptions, cfg: VideoTrainOptions) -> dict:
         flow = {"sampler": "euler", "num_sampling_steps": 50} if cfg.objective == "flow" else {}
         return {**super().sample_defaults(sample_cfg, cfg), "fps": 8, **flow}
 
-    def make_sampler(self, sample_cfg, cfg):
+    def make_sampler(self, sample_cfg: VideoSampleOptions, cfg: VideoTrainOptions):
         if (sample_cfg.sampler == "euler") != (cfg.objective == "flow"):
             valid = "euler" if cfg.objective == "flow" else " or ".join(SAMPLERS)
             raise ValueError(f"--sampler {sample_cfg.sampler} does not apply to a model trained with --objective "
@@ -332,26 +333,27 @@ class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
         return euler_sample(velocity, z.to(device), torch.linspace(1, 0, sampler.steps + 1), sampler.progress)
 
     # ---- previews ------------------------------------------------------------------------------------------
-    def preview_settings(self, cfg) -> dict:
+    def preview_settings(self, cfg: VideoTrainOptions) -> dict:
         if cfg.objective == "flow":
             return {"sampler": "euler", "num_sampling_steps": 20}
         return super().preview_settings(cfg)
 
-    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+    def preview_conditions(self, cfg: VideoTrainOptions, dataset, rows: int) -> list:
         if is_none(cfg.clip):
             return super().preview_conditions(cfg, dataset, rows)
         return preview_prompts(dataset, rows, cfg.model)
 
-    def preview_encoders(self, cfg, encoders: VideoEncoders, conditions: list, dataset) -> VideoEncoders:
+    def preview_encoders(self, cfg: VideoTrainOptions, encoders: VideoEncoders, conditions: list,
+                         dataset) -> VideoEncoders:
         if encoders.text is None:
             return encoders
         return dataclasses.replace(encoders, text=FixedEmbeddings.encode(encoders.text, [*conditions, ""]))
 
     # ---- caching -------------------------------------------------------------------------------------------
-    def cache_encoders(self, cfg, device) -> VideoEncoders:
+    def cache_encoders(self, cfg: ClipCacheOptions, device) -> VideoEncoders:
         return VideoEncoders(vae=load_vae(cfg.vae, device), text=None)  # captions are stored as text
 
-    def cache_dataset_options(self, cfg, spec) -> dict:
+    def cache_dataset_options(self, cfg: ClipCacheOptions, spec) -> dict:
         """One fixed clip per video (epoch 0's start), 3 channels."""
         return dict(num_frames=cfg.num_frames, frame_interval=cfg.frame_interval, seed=0, channels=3)
 

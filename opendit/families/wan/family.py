@@ -170,10 +170,10 @@ class WanFamily(ClipFamily, LatentImageFamily):
         spec = self.models.get(model) if model is not None else None
         return (spec or self.models["Wan2.1-T2V-1.3B"]).constants[key]
 
-    def default_sampling_steps(self, cfg) -> int:
+    def default_sampling_steps(self, cfg: WanTrainOptions) -> int:
         return self.constant(cfg.model, "sampling_steps")
 
-    def sample_defaults(self, sample_cfg, cfg) -> dict:
+    def sample_defaults(self, sample_cfg: WanSampleOptions, cfg: WanTrainOptions) -> dict:
         constants = self.models[cfg.model].constants
         return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": constants["cfg_scale"],
                 "cfg_scale_low": constants.get("cfg_scale_low", constants["cfg_scale"]), "fps": constants["fps"],
@@ -219,7 +219,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
     def text_len(self, cfg) -> int:
         return self.models[cfg.model].arch["text_len"]
 
-    def load_encoders(self, cfg, device, training: bool) -> WanEncoders:
+    def load_encoders(self, cfg: WanTrainOptions | WanCacheOptions, device, training: bool) -> WanEncoders:
         if training and self.dataset_spec(cfg).cache:  # everything is in the cache
             return WanEncoders(vae=None, text=None)
         if is_none(cfg.umt5):
@@ -231,12 +231,12 @@ class WanFamily(ClipFamily, LatentImageFamily):
             shard_frozen(text.model, text.model.encoder.block, cfg.plugin)
         return WanEncoders(vae=load_wan_vae(cfg.vae, device), text=text)
 
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: WanTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
 
-    def load_data(self, cfg, encoders: WanEncoders):
+    def load_data(self, cfg: WanTrainOptions, encoders: WanEncoders):
         dataset, cfg = super().load_data(cfg, encoders)
         if self.dataset_spec(cfg).cache:
             if "umt5" not in dataset.embeddings:
@@ -255,7 +255,8 @@ class WanFamily(ClipFamily, LatentImageFamily):
     def size_step(self, cfg, encoders) -> int:
         return (1 if encoders.vae is None else wan_factors(encoders.vae)[2]) * self.patch_size(cfg)
 
-    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, int, int, int]:
+    def latent_shape(self, cfg: WanTrainOptions | WanCacheOptions, encoders, dataset=None,
+                     data_channels=None) -> tuple[int, int, int, int]:
         """(C, T', h, w): from a cache, else from the frames, size and VAE (pixel space: the data's channels)."""
         cached = getattr(dataset, "latent_shape", None)
         if cached is not None:
@@ -274,7 +275,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
                              f"does not divide {shape[1]}x{shape[2]}x{shape[3]}; change --num_frames / --image_size")
         return tuple(shape)
 
-    def build_model(self, cfg, latent_shape):
+    def build_model(self, cfg: WanTrainOptions, latent_shape):
         return self._model(cfg, latent_shape, umt5_encoder_dim(cfg.umt5))
 
     def _model(self, cfg, latent_shape, text_dim: int | None = None):
@@ -296,7 +297,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
         expert = model.high if isinstance(model, ExpertPair) else model
         return 3 * 2 * float(wan_forward_macs(expert, model.num_tokens))
 
-    def memory_probe(self, cfg, device) -> MemoryProbe:
+    def memory_probe(self, cfg: WanTrainOptions, device) -> MemoryProbe:
         """The model's VAE geometry (Wan2.1's: 16 channels, 4x in time, 8x in space; Wan2.2's: 48, 4x, 16x), the
         VAE's fp32 bytes (diffusers' AutoencoderKLWan) and UMT5-XXL's encoder, unless --vae none (pixel space, no
         encoders)."""
@@ -308,11 +309,11 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return MemoryProbe(shape, {"UMT5-XXL encoder": encoder_dtype(device).itemsize * UMT5_SOURCE.params,
                                    "Wan VAE": 4 * VAE_PARAMS[z_dim]})
 
-    def memory_model(self, cfg, latent_shape):
+    def memory_model(self, cfg: WanTrainOptions, latent_shape):
         """build_model's model with UMT5-XXL's 4096-wide tokens (the architecture's text_dim)."""
         return self._model(cfg, latent_shape)
 
-    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+    def memory_inputs(self, cfg: WanTrainOptions, model, latent_shape, batch, device) -> dict:
         """x [B, C, F, H, W], t [B] in 0..1000 and UMT5 tokens [B, text_len, text_dim] (i2v: y, its mask and
         conditioning latent): the batched forward."""
         inputs = dict(x=torch.randn(batch, *latent_shape, device=device), t=torch.rand(batch, device=device) * 1000,
@@ -323,7 +324,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
             inputs["expert"] = "high"
         return inputs
 
-    def objective(self, cfg, encoders: WanEncoders) -> WanFlowObjective:
+    def objective(self, cfg: WanTrainOptions, encoders: WanEncoders) -> WanFlowObjective:
         boundary = cfg.expert_boundary
         t_range = {"high": (boundary, 1.0), "low": (0.0, boundary)}.get(cfg.expert, (0.0, 1.0))
         return WanFlowObjective(encoders, cfg.flow_shift, cfg.timestep_sampling, cfg.caption_dropout_prob,
@@ -369,7 +370,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
         the low-noise one is its companion."""
         return (model.high, {"low_noise": model.low}) if isinstance(model, ExpertPair) else (model, {})
 
-    def companion_checkpoints(self, cfg, sample_cfg, weights: str) -> dict[str, str]:
+    def companion_checkpoints(self, cfg: WanTrainOptions, sample_cfg: WanSampleOptions, weights: str) -> dict[str, str]:
         """A two-expert model's low-noise expert when --ckpt holds one expert: --low_noise_ckpt, else the high-noise
         expert's sibling folder in an A14B folder. None for a run trained on the whole schedule (one model samples
         all of it) or a checkpoint of both (sampling_parts)."""
@@ -391,7 +392,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
                          f"high-noise expert's checkpoint (or the A14B folder) and --low_noise_ckpt the low-noise "
                          f"one's")
 
-    def conditions(self, sample_cfg, cfg) -> list:
+    def conditions(self, sample_cfg: WanSampleOptions, cfg: WanTrainOptions) -> list:
         """The prompts; checks --image against the model and their count."""
         prompts, kind = prompt_conditions(sample_cfg, cfg.model), self.image_condition(cfg.model)
         if sample_cfg.image is None:
@@ -408,7 +409,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
                              f"one image per prompt, or a single image file for all")
         return prompts
 
-    def make_sampler(self, sample_cfg, cfg) -> WanSampler:
+    def make_sampler(self, sample_cfg: WanSampleOptions, cfg: WanTrainOptions) -> WanSampler:
         return WanSampler(sample_cfg.sampler, sample_cfg.num_sampling_steps, sample_cfg.flow_shift)
 
     def sample_shape(self, loaded, sample_cfg) -> tuple[int, ...]:
@@ -477,20 +478,20 @@ class WanFamily(ClipFamily, LatentImageFamily):
         vae = loaded.encoders.vae
         return latents.clamp(-1, 1) if vae is None else wan_decode(vae, latents, loaded.vae_decode)
 
-    def sampling_encoders(self, cfg, encoders: WanEncoders, device) -> WanEncoders:
+    def sampling_encoders(self, cfg: WanTrainOptions, encoders: WanEncoders, device) -> WanEncoders:
         """Trained on a cache: the VAE to decode (the previews' prompts are already embedded)."""
         if encoders.vae is None and not is_none(cfg.vae):
             return dataclasses.replace(encoders, vae=load_wan_vae(cfg.vae, device))
         return encoders
 
     # ---- previews ------------------------------------------------------------------------------------------
-    def preview_settings(self, cfg) -> dict:
+    def preview_settings(self, cfg: WanTrainOptions) -> dict:
         return {"num_sampling_steps": min(self.default_sampling_steps(cfg), 20), "sampler": "unipc"}
 
-    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+    def preview_conditions(self, cfg: WanTrainOptions, dataset, rows: int) -> list:
         return preview_prompts(dataset, rows, cfg.model)
 
-    def preview_encoders(self, cfg, encoders: WanEncoders, conditions: list, dataset) -> WanEncoders:
+    def preview_encoders(self, cfg: WanTrainOptions, encoders: WanEncoders, conditions: list, dataset) -> WanEncoders:
         """The prompts' and the empty caption's UMT5 embeddings: encoded now, or read from a cache."""
         if encoders.text is not None:
             return dataclasses.replace(encoders, text=FixedEmbeddings.encode(encoders.text, [*conditions, ""]))
@@ -500,7 +501,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
         return dataclasses.replace(encoders, text=FixedEmbeddings({**table, "": empty.float().cpu()}))
 
     # ---- caching -------------------------------------------------------------------------------------------
-    def resolve_cache_config(self, cfg):
+    def resolve_cache_config(self, cfg: WanCacheOptions):
         if cfg.model is not None and cfg.model not in self.models:
             raise ValueError(f"--model {cfg.model} is not a Wan model; valid: {', '.join(self.models)}")
         if cfg.model is None:
@@ -508,14 +509,14 @@ class WanFamily(ClipFamily, LatentImageFamily):
                              f"caption; one of {', '.join(self.models)}")
         return super().resolve_cache_config(cfg)
 
-    def cache_encoders(self, cfg, device) -> WanEncoders:
+    def cache_encoders(self, cfg: WanCacheOptions, device) -> WanEncoders:
         if is_none(cfg.umt5):
             raise ValueError("--umt5 is required with --family wan (a local UMT5 folder, or a Wan diffusers folder)")
         return WanEncoders(vae=load_wan_vae(cfg.vae, device),
                            text=load_umt5_encoder(cfg.umt5, device, self.text_len(cfg)),
                            first_frame=self.image_condition(cfg.model) == "i2v")
 
-    def cache_source(self, cfg, encoders):
+    def cache_source(self, cfg: WanCacheOptions, encoders):
         """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
         spec = self.dataset_spec(cfg)
         dataset = spec(cfg.data_path, cfg.image_size, **self.source_options(cfg, spec, channels=3, seed=0))

@@ -158,7 +158,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def constant(self, model: str, key: str):
         return self.models[model].constants[key]
 
-    def default_sampling_steps(self, cfg) -> int:
+    def default_sampling_steps(self, cfg: WrappedTrainOptions) -> int:
         return self.constant(cfg.model, "steps")
 
     def patch_size(self, cfg) -> int:
@@ -168,7 +168,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def fill_defaults(self, cfg):
         return dataclasses.replace(super().fill_defaults(cfg), num_classes=0)
 
-    def load_encoders(self, cfg, device, training: bool) -> WrappedEncoders:
+    def load_encoders(self, cfg: WrappedTrainOptions | WrappedCacheOptions, device, training: bool) -> WrappedEncoders:
         if is_none(cfg.text_encoder):
             raise ValueError(f"{cfg.model} needs --text_encoder <local folder> ({TEXT_HELP}); the demo makes a tiny "
                              f"one: RECIPE=digits bash train_diffusers.sh")
@@ -182,12 +182,12 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
             return PixelSpace(self.pixel_channels(cfg)).to(device)
         return self.glue.load_vae(cfg.vae, device)
 
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: WrappedTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return {"channels": self.source_channels(cfg, encoders)}
 
-    def load_data(self, cfg, encoders):
+    def load_data(self, cfg: WrappedTrainOptions, encoders):
         dataset, cfg = super().load_data(cfg, encoders)
         if self.dataset_spec(cfg).cache:
             self.use_cache(cfg, encoders, dataset)
@@ -211,7 +211,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         return self.glue.vae_geometry(vae)[0]
 
     # ---- model ---------------------------------------------------------------------------------------------
-    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
+    def latent_shape(self, cfg: WrappedTrainOptions | WrappedCacheOptions, encoders, dataset=None,
+                     data_channels=None) -> tuple[int, ...]:
         vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
         down, patch, packed = self._downsampling(vae), self.patch_size(cfg), self.glue.outside_patch
         if cfg.image_size % (down * patch):
@@ -220,7 +221,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         side = cfg.image_size // (down * packed)
         return self.glue.vae_geometry(vae)[1] * packed * packed, side, side
 
-    def build_model(self, cfg, latent_shape):
+    def build_model(self, cfg: WrappedTrainOptions, latent_shape):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
         for name in self.glue.unused_parameters(model):
             model.get_parameter(name).requires_grad_(False)
@@ -233,11 +234,11 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def train_flops_per_sample(self, model) -> float:
         return 3 * 2 * float(self.glue.forward_macs(model, *model.num_tokens))
 
-    def objective(self, cfg, encoders) -> WrappedObjective:
+    def objective(self, cfg: WrappedTrainOptions, encoders) -> WrappedObjective:
         logger.info("objective of %s: %s; t ~ %s", cfg.model, self.glue.recipe, cfg.timestep_sampling)
         return WrappedObjective(encoders, cfg)
 
-    def memory_inputs(self, cfg, model, latent_shape, batch, device) -> dict:
+    def memory_inputs(self, cfg: WrappedTrainOptions, model, latent_shape, batch, device) -> dict:
         cond = self.glue.random_conditions(self.models[cfg.model], batch, device)
         x = torch.randn(batch, *latent_shape, device=device)
         return self.glue.forward_kwargs(model, x, torch.rand(batch, device=device), cond, cfg)
@@ -300,13 +301,13 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         return settings, None
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def sample_defaults(self, sample_cfg, cfg) -> dict:
+    def sample_defaults(self, sample_cfg: WrappedSampleOptions, cfg: WrappedTrainOptions) -> dict:
         return {**super().sample_defaults(sample_cfg, cfg), "cfg_scale": self.constant(cfg.model, "cfg_scale")}
 
-    def conditions(self, sample_cfg, cfg) -> list:
+    def conditions(self, sample_cfg: WrappedSampleOptions, cfg: WrappedTrainOptions) -> list:
         return prompt_conditions(sample_cfg, cfg.model)
 
-    def make_sampler(self, sample_cfg, cfg) -> PipelineSampler:
+    def make_sampler(self, sample_cfg: WrappedSampleOptions, cfg: WrappedTrainOptions) -> PipelineSampler:
         """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored; --cache
         fbcache is diffusers' own First Block Cache."""
         if sample_cfg.cache == "fbcache" and sample_cfg.sequence_parallel_size > 1:
@@ -328,7 +329,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         return PipelineSampler(sample_cfg.num_sampling_steps,
                                sample_cfg.cache_threshold if sample_cfg.cache == "fbcache" else None)
 
-    def sampling_encoders(self, cfg, encoders, device):
+    def sampling_encoders(self, cfg: WrappedTrainOptions, encoders, device):
         return encoders
 
     @torch.no_grad()
@@ -356,10 +357,11 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         return {}
 
     # ---- previews ------------------------------------------------------------------------------------------
-    def preview_conditions(self, cfg, dataset, rows: int) -> list:
+    def preview_conditions(self, cfg: WrappedTrainOptions, dataset, rows: int) -> list:
         return preview_prompts(dataset, rows, cfg.model)
 
-    def preview_encoders(self, cfg, encoders: WrappedEncoders, conditions, dataset) -> WrappedEncoders:
+    def preview_encoders(self, cfg: WrappedTrainOptions, encoders: WrappedEncoders, conditions,
+                         dataset) -> WrappedEncoders:
         if encoders.text is None:  # trained on a cache: the prompts' conditions are in it
             return dataclasses.replace(encoders, text=FixedPrompts(self.cached_preview_prompts(encoders, conditions,
                                                                                                dataset)))

@@ -38,12 +38,12 @@ class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
         super().__init__(name, glue)
         self.defaults_help = {**self.defaults_help, "fps": f"{name}: {glue.fps}"}
 
-    def dataset_options(self, cfg, encoders, spec) -> dict:
+    def dataset_options(self, cfg: WrappedVideoTrainOptions, encoders, spec) -> dict:
         if spec.cache:
             return {"seed": cfg.global_seed}
         return self.source_options(cfg, spec, channels=self.source_channels(cfg, encoders), seed=cfg.global_seed)
 
-    def cache_source(self, cfg, encoders):
+    def cache_source(self, cfg: WrappedVideoCacheOptions, encoders):
         """(clip [3, T, H, W] in [-1, 1], label, caption) per item: one fixed clip per video."""
         self.latent_shape(cfg, encoders)  # the frame count and size fit the VAE and the patches, else a clear error
         spec = self.dataset_spec(cfg)
@@ -52,10 +52,11 @@ class DiffusersVideoFamily(ClipFamily, DiffusersFamily):
             self.use_buckets(dataset, cfg, encoders)
         return dataset
 
-    def sample_defaults(self, sample_cfg, cfg) -> dict:
+    def sample_defaults(self, sample_cfg: WrappedVideoSampleOptions, cfg: WrappedVideoTrainOptions) -> dict:
         return {**super().sample_defaults(sample_cfg, cfg), "fps": self.glue.fps}
 
-    def latent_shape(self, cfg, encoders, dataset=None, data_channels=None) -> tuple[int, ...]:
+    def latent_shape(self, cfg: WrappedVideoTrainOptions | WrappedVideoCacheOptions, encoders, dataset=None,
+                     data_channels=None) -> tuple[int, ...]:
         vae = encoders.vae if encoders.vae is not None else self._vae(cfg, "cpu")
         return self._clip_latents(cfg, vae, cfg.num_frames, cfg.image_size, cfg.image_size)
 
