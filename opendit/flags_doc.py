@@ -32,7 +32,8 @@ def _row(f) -> str:
 def flags_markdown() -> str:
     lines = ["# Flags", "", "Every flag of the entry scripts, by section, with its default. Written by "
              "`python -m opendit.flags_doc > docs/flags.md` from the options themselves (a test keeps it current). "
-             "A family's own options are listed under it; a flag a family does not use is ignored for its models. "
+             "A family's own options are listed under it; another family's flag is refused (one error line naming both "
+             "families). "
              "`--config FILE` (.toml or .yaml) sets the same options by name, in the tables named below "
              "([training.md](training.md#run-configs-as-files)); flags beside it override the file.",
              ""]
