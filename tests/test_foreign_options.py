@@ -156,3 +156,19 @@ def test_the_trainer_refuses_another_familys_option_set_in_code():
     with pytest.raises(ValueError, match=r"--umt5 is an option of the wan family, not of the dit family that "
                                          r"--model DiT-debug belongs to"):
         Trainer(cfglib.TrainConfig(model="DiT-debug", umt5="umt5-folder"))
+
+
+def test_a_family_whose_options_class_is_not_frozen_still_gets_a_frozen_config_of_its_own():
+    from types import SimpleNamespace
+
+    from opendit.options import opt
+
+    @dataclasses.dataclass
+    class Loose:  # a family from outside that did not declare frozen=True
+        width: int = opt(16, "a width")
+
+    family = SimpleNamespace(name="loose", train_options=Loose)
+    typed = cfglib.family_class(family, "TrainConfig")(model="DiT-debug", width=8)
+    assert typed.width == 8 and not hasattr(typed, "t5") and not isinstance(typed, Loose)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.width = 4
