@@ -544,7 +544,7 @@ def family_class(family, name: str) -> type:
              dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
             for f in own]
         sections = {**base.SECTIONS, **({own[0].name: f"{family.name} family options"} if own else {})}
-        title = "".join(part.capitalize() for part in family.name.replace(".", "_").split("_"))
+        title = "".join(word.capitalize() for word in family.name.replace(".", "_").split("_"))
         _FAMILY_CLASSES[key] = dataclasses.make_dataclass(
             f"{title}{name}", fields, bases=(options, base) if inherit else (base,), frozen=True,
             namespace={"SECTIONS": sections, "__module__": __name__})
