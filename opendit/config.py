@@ -669,10 +669,7 @@ def save_yaml(cfg, path) -> None:
 
 def load_yaml(cls, path):
     """A config.yaml as the run it records ran (the values it decided laid over its options: settings_of)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict) or not isinstance(data.get(DECIDED, {}), dict):
-        raise ValueError(f"{path}: not a table of options (name: value, and a {DECIDED} table)")
-    data = settings_of(data)
+    data = settings_of(yaml.safe_load(Path(path).read_text()) or {})
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:

@@ -27,8 +27,12 @@ DECIDED = "decided"  # a run's config.yaml: what its data and machine decided (c
 
 
 def settings_of(record: dict) -> dict:
-    """A run's recorded settings as it ran: its options with the values it decided (config.run_record) laid over."""
-    return {**{k: v for k, v in record.items() if k != DECIDED}, **(record.get(DECIDED) or {})}
+    """A run's recorded settings as it ran: its options with the values it decided (config.run_record) laid over;
+    a ValueError when the record (or its decided table) is not a table."""
+    decided = record.get(DECIDED) or {} if isinstance(record, dict) else None
+    if not isinstance(decided, dict):
+        raise ValueError(f"not a table of options (name: value, and a {DECIDED} table)")
+    return {**{k: v for k, v in record.items() if k != DECIDED}, **decided}
 
 
 def read_file(path) -> dict:

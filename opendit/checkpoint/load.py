@@ -80,7 +80,7 @@ def _check_same_model(path: str, model_state: dict) -> None:
             run = settings_of(yaml.safe_load(f) or {})
         saved_with = " (" + " ".join(f"--{k} {run[k]}" for k in ("model", "image_size", "num_classes",
                                                                  "num_frames", "vae") if run.get(k) is not None) + ")"
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):  # no readable table: the message without it
+    except (OSError, ValueError, yaml.YAMLError):
         pass
     raise ValueError(f"checkpoint {path} holds another model than this run builds: {'; '.join(filter(None, found))}"
                      f". Resume with the flags it was saved with{saved_with}, or start from its weights "
