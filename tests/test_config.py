@@ -11,6 +11,7 @@ import pytest
 import tests.text_family  # noqa: F401  (registers the "shapes" family)
 import tests.toy_family  # noqa: F401  (registers the "toy" family)
 from opendit import config as cfglib
+from opendit import shared_options
 from opendit.options import help_of
 from tests.test_train import ROOT
 
@@ -77,10 +78,10 @@ def test_explicit_num_classes_at_the_old_default_is_kept_for_a_folder(tmp_path):
 def test_options_come_in_sections_and_shared_flags_are_declared_once():
     """train.py's and sample.py's options are named sections; the speed and sequence-parallel flags both scripts
     take are one declaration, so their help texts cannot drift apart."""
-    train, sample = cfglib.TrainOptions, cfglib.SampleOptions
+    train, sample = shared_options.TrainOptions, shared_options.SampleOptions
     assert {"model and data", "optimizer", "checkpoints and resuming", "parallelism", "speed"} <= \
         set(train.SECTIONS.values())
-    for shared in (cfglib.SpeedOptions, cfglib.SequenceParallelOptions):
+    for shared in (shared_options.SpeedOptions, shared_options.SequenceParallelOptions):
         for f in dataclasses.fields(shared):
             helps = [help_of(next(g for g in dataclasses.fields(cls) if g.name == f.name)) for cls in (train, sample)]
             assert helps[0] == helps[1] == help_of(f), f.name

@@ -19,7 +19,7 @@ LAYERS = (
      "seeding", "options", "config_files", "images", "perf", "console", "errors"},
     {"checkpoint"},
     {"families"},
-    {"config", "run_files"},
+    {"shared_options", "config", "run_files"},
     {"lora", "eval", "plot", "flags_doc"},
     {"inference"},
     {"training"},
