@@ -102,6 +102,7 @@ def test_a_folder_without_both_encoders_is_named_with_the_layout_it_needs(encode
     from opendit.families import get_family
 
     glue = get_family("flux1").glue
-    with pytest.raises(FileNotFoundError, match="no CLIP text encoder in text_encoder/; this model takes a pipeline "
-                                                "folder holding text_encoder/ \\+ tokenizer/ and text_encoder_2/"):
+    with pytest.raises(FileNotFoundError, match="no text_encoder in text_encoder/; this model takes its pipeline "
+                                                "folder, holding text_encoder/, tokenizer/, text_encoder_2/, "
+                                                "tokenizer_2/"):
         glue.text_encoder(encoders[0], "cpu", torch.float32, "flux1-debug-diffusers")  # a T5 folder alone

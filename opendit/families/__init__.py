@@ -16,7 +16,7 @@ from opendit.families.dit import DiTFamily
 from opendit.families.flux import FluxFamily
 from opendit.families.video import VideoDiffusionFamily
 from opendit.families.wan import WanFamily
-from opendit.families.wrapped import FLUX1, FLUX2, HUNYUANVIDEO15, QWENIMAGE, WAN21, ZIMAGE
+from opendit.families.wrapped import wrapped_families
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -78,12 +78,8 @@ register_family(DiTFamily())
 register_family(VideoDiffusionFamily())
 register_family(FluxFamily())
 register_family(WanFamily())
-register_family(FLUX1)
-register_family(FLUX2)
-register_family(ZIMAGE)
-register_family(QWENIMAGE)
-register_family(HUNYUANVIDEO15)
-register_family(WAN21)
+for _family in wrapped_families():
+    register_family(_family)
 for _module in filter(None, (m.strip() for m in os.environ.get("OPENDIT_FAMILIES", "").split(","))):
     importlib.import_module(_module)  # registers itself
 

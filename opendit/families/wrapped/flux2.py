@@ -45,13 +45,14 @@ FLUX2_MODELS = {
                                        text_params=4.02e9)),  # Qwen3-4B
     "flux2-klein-debug": WrappedSpec("flux2-klein-debug", "flux2", None, KLEIN_DEBUG,
                                      dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0,
-                                          text_params=0)),
+                                          text_params=0, tiny_text="qwen3")),
     "flux2-dev": WrappedSpec("flux2-dev", "flux2", None, DEV,
                              dict(text_layers=(10, 20, 30), max_sequence_length=512, steps=50, cfg_scale=4.0,
                                   text_params=24.0e9, pipeline="Flux2Pipeline")),  # Mistral-Small-3.1-24B
     "flux2-dev-debug": WrappedSpec("flux2-dev-debug", "flux2", None, DEV_DEBUG,
                                    dict(text_layers=(1, 2, 3), max_sequence_length=48, steps=20, cfg_scale=4.0,
-                                        text_params=0, pipeline="Flux2Pipeline")),  # 48: the system message fits
+                                        text_params=0, pipeline="Flux2Pipeline",  # 48: the system message fits
+                                        tiny_text="mistral3")),
 }
 TRAIN_GUIDANCE = 1.0  # [dev]'s guidance embedding while training (diffusers' examples train with --guidance_scale 1)
 # the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
@@ -70,6 +71,7 @@ def _dev():
 
 
 class Flux2Glue(ModelGlue):
+    title = "FLUX.2"
     transformer_class = "Flux2Transformer2DModel"
     pipeline_class = "Flux2KleinPipeline"  # [dev]'s: its constants' "pipeline"
     pipeline_options = {"Flux2KleinPipeline": {"is_distilled": False}}  # the base models: true CFG

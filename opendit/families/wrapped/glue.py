@@ -145,6 +145,7 @@ class ModelGlue:
     names), `models` {name: WrappedSpec}, `lora_targets` (a regex over the diffusers module names), `recipe` (the
     training recipe followed, in words), `parallel_plan` (how its sequence is split; None: it is not). Methods
     below. A glue is its models' constructor: glue(**config) builds the transformer."""
+    title: str = ""  # the model's name in the docs' tables
     transformer_class: str = ""
     pipeline_class: str = ""
     pipeline_options: dict = {}  # {pipeline class name: its constructor arguments beyond its components}
@@ -160,7 +161,7 @@ class ModelGlue:
 
     # an official release's single file: a key only its layout has, and diffusers' converter of it
     # (diffusers.loaders.single_file_utils)
-    official_key: str = ""
+    official_key: str | tuple[str, ...] = ""  # (or keys, all of them)
     official_converter: str = ""
     # config keys the run decides (from its latent channels), not compared when naming a diffusers folder's model
     run_keys: tuple[str, ...] = ("in_channels",)

@@ -48,7 +48,7 @@ HV15_MODELS = {
                                             text_params=8.29e9 + 0.22e9)),
     "hunyuanvideo1.5-debug": WrappedSpec("hunyuanvideo1.5-debug", "hunyuanvideo15", None, HV15_DEBUG,
                                          dict(max_sequence_length=16, template_tokens=95, steps=20, cfg_scale=6.0,
-                                              text_params=0)),
+                                              text_params=0, tiny_text="hunyuanvideo1.5")),
 }
 SCHEDULER = dict(num_train_timesteps=1000, shift=5.0)  # the 480p release's flow shift
 GLYPH_TOKENS, IMAGE_TOKENS = 256, 729  # the pipeline's ByT5 length and SigLIP token count
@@ -114,6 +114,7 @@ def _pipeline():
 
 
 class HunyuanVideo15Glue(ModelGlue):
+    title = "HunyuanVideo-1.5"
     transformer_class = "HunyuanVideo15Transformer3DModel"
     pipeline_class = "HunyuanVideo15Pipeline"
     scheduler_config = SCHEDULER

@@ -275,8 +275,10 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def _is_official(self, path) -> bool:
         if Path(path).suffix != ".safetensors" or not self.glue.official_key:
             return False
+        wanted = (self.glue.official_key,) if isinstance(self.glue.official_key, str) else self.glue.official_key
         with safe_open(path, "pt") as f:
-            return any(k.endswith(self.glue.official_key) for k in f.keys())
+            keys = list(f.keys())
+        return all(any(k.endswith(w) for k in keys) for w in wanted)
 
     def recognize_checkpoint(self, path: str):
         """A diffusers folder of the glue's transformer (a pipeline folder also names its VAE, text encoder and

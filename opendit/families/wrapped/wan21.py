@@ -26,7 +26,8 @@ WAN21_MODELS = {
                                              dict(max_sequence_length=512, steps=50, cfg_scale=5.0,
                                                   text_params=5.68e9)),  # UMT5-XXL's encoder
     "wan-debug-diffusers": WrappedSpec("wan-debug-diffusers", "wan21", None, WAN_DEBUG,
-                                       dict(max_sequence_length=16, steps=20, cfg_scale=3.0, text_params=0)),
+                                       dict(max_sequence_length=16, steps=20, cfg_scale=3.0, text_params=0,
+                                            tiny_text="umt5")),
 }
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)  # Wan2.1's flow shift at 480p
 
@@ -37,6 +38,7 @@ def _pipeline():
 
 
 class Wan21Glue(ModelGlue):
+    title = "Wan2.1 (diffusers)"
     transformer_class = "WanTransformer3DModel"
     pipeline_class = "WanPipeline"
     scheduler_config = SCHEDULER

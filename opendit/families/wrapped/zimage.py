@@ -17,14 +17,11 @@ the refiners (one or two blocks each, before the joint sequence is built) run wh
 sequence is padded with masked tokens to a length the group divides (Z-Image pads each part to 32 tokens, so
 groups of 2, 4, ... need none); unpatchify reads only the image tokens.
 """
-import types
-
 import torch
 import torch.nn.functional as F
 
 from opendit.families.wrapped.context_parallel import diffusers_plan
-from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
-from opendit.perf import matmul_macs
+from opendit.families.wrapped.declared import Declared, Feed, Size, Streams
 
 Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
                n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
@@ -32,19 +29,7 @@ Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3
 # the CPU-sized model of tests (64 wide, 1 + 1 refiner and 2 main blocks); a tiny Qwen3 (16 wide) conditions it
 Z_IMAGE_DEBUG = dict(Z_IMAGE, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=16,
                      axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
-# sampling defaults: the pipeline's (50 steps, guidance_scale 5 = --cfg_scale 6); text_params: Qwen3-4B's
-ZIMAGE_MODELS = {
-    "z-image": WrappedSpec("z-image", "zimage", None, Z_IMAGE,
-                           dict(max_sequence_length=512, steps=50, cfg_scale=6.0, text_params=4.02e9)),
-    "z-image-debug": WrappedSpec("z-image-debug", "zimage", None, Z_IMAGE_DEBUG,
-                                 dict(max_sequence_length=16, steps=20, cfg_scale=6.0, text_params=0)),
-}
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)  # Z-Image's scheduler_config
-
-
-def _pipeline():
-    from diffusers import ZImagePipeline
-    return ZImagePipeline
 
 
 def _context_parallel_plan() -> dict:
@@ -80,79 +65,59 @@ def _unpadded(cond: dict) -> list[torch.Tensor]:
     return [e[m] for e, m in zip(cond["embeds"], cond["mask"])]
 
 
-class ZImageGlue(ModelGlue):
-    transformer_class = "ZImageTransformer2DModel"
-    pipeline_class = "ZImagePipeline"
-    scheduler_config = SCHEDULER
-    vae_channels, vae_params = 16, 83_819_683  # FLUX.1's autoencoder
-    outside_patch = 1  # the model patches its latents itself
-    models = ZIMAGE_MODELS
-    lora_targets = (r"(noise_refiner|context_refiner|layers)\.\d+\."
-                    r"(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])")
-    official_key = ".attention.qkv.weight"  # the release's fused projections (diffusers splits them)
-    official_converter = "convert_z_image_transformer_checkpoint_to_diffusers"
-    recipe = ("Z-Image's flow as its pipeline runs it: x_s = (1 - s) x + s noise, model time 1 - s, target x - noise, "
-              "plain MSE")
-    parallel_plan = diffusers_plan(split=("the main layers' joint sequence (image and caption tokens, padded to a "
-                                          "multiple of the group) with its RoPE table and mask",),
-                                   cp_plan=_context_parallel_plan, checked=(), prepare=_prepare_split)
+def encode(text, captions, device) -> dict:
+    """The pipeline's own _encode_prompt, padded to max_sequence_length, with the mask."""
+    found = text.pipeline._encode_prompt(captions, device=device, max_sequence_length=text.max_length)
+    embeds = torch.zeros(len(found), text.max_length, found[0].shape[-1], device=device)
+    mask = torch.zeros(len(found), text.max_length, dtype=torch.bool, device=device)
+    for i, e in enumerate(found):
+        embeds[i, :len(e)], mask[i, :len(e)] = e.float(), True
+    return {"embeds": embeds, "mask": mask}
 
-    def cfg_calls(self, model: str) -> str:
-        return "batched"  # ZImagePipeline calls the model once on the latents twice over, with both prompts
 
-    def text_encoder(self, path, device, dtype, model) -> TextEncoder:
-        return load_text_encoder(path, device, dtype, self.models[model].constants["max_sequence_length"])
+def to_model(vae, z):
+    """(z - shift) * scale, the inverse of the pipeline's decoding (FLUX.1's autoencoder: it has a shift)."""
+    if vae.config.shift_factor is None:
+        raise ValueError("--vae: not Z-Image's autoencoder (FLUX.1's, with a shift_factor)")
+    return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
-    def encode_prompts(self, encoder: TextEncoder, captions, device) -> dict:
-        """The pipeline's own _encode_prompt (run on a stand-in holding our encoder), padded to max_sequence_length,
-        with the mask."""
-        stand_in = types.SimpleNamespace(tokenizer=encoder.tokenizer, text_encoder=encoder.model)
-        found = _pipeline()._encode_prompt(stand_in, list(captions), device=device,
-                                           max_sequence_length=encoder.max_length)
-        length = encoder.max_length  # every caption's conditions one shape (caption dropout swaps them)
-        embeds = torch.zeros(len(found), length, found[0].shape[-1], device=device)
-        mask = torch.zeros(len(found), length, dtype=torch.bool, device=device)
-        for i, e in enumerate(found):
-            embeds[i, :len(e)], mask[i, :len(e)] = e.float(), True
-        return {"embeds": embeds, "mask": mask}
 
-    def random_conditions(self, spec, batch, device) -> dict:
-        length, width = spec.constants["max_sequence_length"], spec.arch["cap_feat_dim"]
-        return {"embeds": torch.randn(batch, length, width, device=device),
-                "mask": torch.ones(batch, length, dtype=torch.bool, device=device)}
+def forward(model, x, t, cond) -> dict:
+    return dict(x=list(x.unsqueeze(2).unbind(0)), t=1 - t, cap_feats=_unpadded(cond), return_dict=False)
 
-    def load_vae(self, path, device):
-        vae = super().load_vae(path, device)
-        if vae.config.shift_factor is None:
-            raise ValueError(f"--vae {path}: not Z-Image's autoencoder (FLUX.1's, with a shift_factor)")
-        return vae
 
-    def to_model_space(self, vae, z):
-        """(z - shift) * scale, the inverse of the pipeline's decoding."""
-        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+def output(out, shape):
+    return -torch.stack(list(out)).squeeze(2)  # the model predicts x - noise
 
-    def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
-        return dict(x=list(x.unsqueeze(2).unbind(0)), t=1 - t, cap_feats=_unpadded(cond), return_dict=False)
 
-    def from_output(self, out, shape):
-        return -torch.stack(list(out)).squeeze(2)  # the model predicts x - noise
+def call(constants, sample_cfg, cond, negative) -> dict:
+    return dict(prompt_embeds=_unpadded(cond), negative_prompt_embeds=_unpadded(negative),
+                guidance_scale=sample_cfg.cfg_scale - 1)
 
-    def forward_macs(self, model, txt_tokens, img_tokens) -> int:
-        """A Linear of the caption path (cap_embedder, the context refiner) costs txt_tokens * in * out, of the main
-        layers the joint sequence's, of the time embedding and modulations one row, of the rest (x_embedder, the
-        noise refiner, the final layer) img_tokens; each block's attention 2 * L^2 * dim over its own sequence."""
-        joint = txt_tokens + img_tokens
 
-        def rows_of(name: str) -> int:
-            if "adaLN_modulation" in name or name.startswith("t_embedder"):
-                return 1
-            if name.startswith(("cap_embedder", "context_refiner")):
-                return txt_tokens
-            return joint if name.startswith("layers") else img_tokens
-        attention = (len(model.noise_refiner) * img_tokens ** 2 + len(model.context_refiner) * txt_tokens ** 2
-                     + len(model.layers) * joint ** 2)
-        return matmul_macs(model, rows_of) + 2 * attention * model.dim
-
-    def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
-        return dict(prompt_embeds=_unpadded(cond), negative_prompt_embeds=_unpadded(negative),
-                    guidance_scale=sample_cfg.cfg_scale - 1)
+# sampling defaults: the pipeline's (50 steps, guidance_scale 5 = --cfg_scale 6); text_params: Qwen3-4B's
+MODEL = Declared(
+    family="zimage", title="Z-Image", transformer="ZImageTransformer2DModel", pipeline="ZImagePipeline",
+    models={"z-image": Size(Z_IMAGE, dict(max_sequence_length=512, steps=50, cfg_scale=6.0, text_params=4.02e9)),
+            "z-image-debug": Size(Z_IMAGE_DEBUG, dict(max_sequence_length=16, steps=20, cfg_scale=6.0, text_params=0,
+                                                      tiny_text="qwen3"))},
+    feed=Feed(encode, to_model, forward, call, output),
+    text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"},
+    conditions={"embeds": ("L", "cap_feat_dim"), "mask": ("L",)},
+    scheduler=SCHEDULER, vae_size=(16, 83_819_683),  # FLUX.1's autoencoder
+    outside_patch=1, packed_latents=False,  # the model patches its latents itself
+    cfg_calls="batched",  # ZImagePipeline calls the model once on the latents twice over, with both prompts
+    lora_targets=(r"(noise_refiner|context_refiner|layers)\.\d+\."
+                  r"(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])"),
+    official_key=".attention.qkv.weight",  # the release's fused projections (diffusers splits them)
+    official_converter="convert_z_image_transformer_checkpoint_to_diffusers",
+    recipe=("Z-Image's flow as its pipeline runs it: x_s = (1 - s) x + s noise, model time 1 - s, target x - noise, "
+            "plain MSE"),
+    parallel_plan=diffusers_plan(split=("the main layers' joint sequence (image and caption tokens, padded to a "
+                                        "multiple of the group) with its RoPE table and mask",),
+                                 cp_plan=_context_parallel_plan, checked=(), prepare=_prepare_split),
+    # the caption path runs on its tokens, the main layers on the joint sequence, the rest on the image's
+    streams=Streams(one=r"adaLN_modulation|^t_embedder", joint=r"^layers", text=r"^(cap_embedder|context_refiner)",
+                    attention={"noise_refiner": "image", "context_refiner": "text", "layers": "joint"},
+                    width=("dim",)),
+)
