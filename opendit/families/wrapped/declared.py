@@ -84,6 +84,7 @@ class Declared:
     lora_targets: str  # a regex over diffusers' module names
     recipe: str  # the training recipe followed, in words
     streams: Streams
+    fps: float | None = None  # a video model's frame rate (its clips' default); None: an image model
     vae: str = "AutoencoderKL"
     vae_kind: str = "kl"  # "kl": a posterior of images; "frame": a video VAE given one frame; "dc": deterministic
     vae_size: tuple[int, float] = (4, 83_653_863)  # (latent channels, parameters) of its usual VAE, for the planner
@@ -105,7 +106,7 @@ class DeclaredGlue(ModelGlue):
     """ModelGlue from a Declared: every method reads the declaration or calls the feed."""
 
     def __init__(self, d: Declared):
-        self.d, self.feed, self.title = d, d.feed, d.title
+        self.d, self.feed, self.title, self.fps = d, d.feed, d.title, d.fps
         self.transformer_class, self.pipeline_class = d.transformer, d.pipeline
         self.scheduler_config, self.vae_class = dict(d.scheduler), d.vae
         self.vae_channels, self.vae_params = d.vae_size
@@ -246,6 +247,8 @@ def _text_part(path: str, arg: str, text: Mapping[str, str], device, dtype):
 
 
 def declared_family(d: Declared):
-    """The family of a declared model: the image kind's (kind.DiffusersFamily)."""
+    """The family of a declared model: the image kind's (kind.DiffusersFamily), or with `fps` the video kind's
+    (video.DiffusersVideoFamily: clips, frames, the pipeline's num_frames)."""
     from opendit.families.wrapped.kind import DiffusersFamily
-    return DiffusersFamily(d.family, DeclaredGlue(d))
+    from opendit.families.wrapped.video import DiffusersVideoFamily
+    return (DiffusersFamily if d.fps is None else DiffusersVideoFamily)(d.family, DeclaredGlue(d))
