@@ -1,16 +1,20 @@
 """Sequence parallelism of diffusers transformers (opendit.families.wrapped.context_parallel): at 2 ranks under gloo
-the output and every parameter's gradient equal the unsplit model's (FLUX.1, FLUX.2 [klein], Qwen-Image with a padded
-text mask, Wan2.1's clips; through opendit's plans for classes without one: HunyuanVideo-1.5's clips, and Z-Image at 3
-ranks, whose joint sequence gets padded), a token count that does not split evenly is an error naming it, and a model
-without a parallel plan refuses --sequence_parallel_size. Training and sampling at 2 ranks: the families' tests."""
+the output and every parameter's gradient equal the unsplit model's for every family of the kind with a parallel plan
+(Qwen-Image with a padded text mask, Wan2.1's clips; through opendit's plans for classes without one:
+HunyuanVideo-1.5's clips, and Z-Image at 3 ranks, whose joint sequence gets padded), a token count that does not
+split evenly is an error naming it, and a model without a parallel plan refuses --sequence_parallel_size. Training
+and sampling at 2 ranks: the families' tests."""
 import pytest
 import torch
 import torch.distributed as dist
 
+from opendit.families import get_family
 from tests.distributed import run_distributed
 
-MODELS = {"flux1": "flux1-debug-diffusers", "flux2": "flux2-klein-debug", "qwenimage": "qwen-image-debug",
-          "wan21": "wan-debug-diffusers", "hunyuanvideo15": "hunyuanvideo1.5-debug"}
+from tests.families.test_conformance import DEBUG
+
+# every family of the kind with a parallel plan (Z-Image: at 3 ranks below), by its debug model
+MODELS = {f: m for f, m in DEBUG.items() if f != "zimage" and get_family(f).glue.parallel_plan is not None}
 # inputs at 2 ranks: an even and an odd token count (images: 2x2-packed latents; Wan-debug: 4x4-patched clips)
 # HunyuanVideo-1.5 (patch 1): its joint text sequence (729 + 256 + 16 tokens) is odd, so its Qwen tokens get padded
 GRIDS = {"wan21": ((2, 8, 12), (3, 4, 20), "15 tokens"), "hunyuanvideo15": ((2, 4, 6), (3, 3, 5), "45 tokens")}

@@ -235,6 +235,11 @@ class ModelFamily:
     """
     name: str = ""
     models: Mapping[str, ModelSpec] = {}
+    # README's table of models (opendit.models_doc): the family's name there, how its model is built, the weights
+    # it loads beside opendit's own checkpoints
+    title: str = ""
+    built_from: str = "opendit's own layers"
+    weight_formats: str = ""
     datasets: Mapping[str, DatasetSpec] = {}  # --dataset values it trains on (opendit.data.dataset_map)
     samplers: tuple[str, ...] = ()  # --sampler values; the first is the default
     default_cfg_scale: float = 4.0  # sample.py's --cfg_scale when not given

@@ -76,6 +76,7 @@ def dit_train_flops_per_image(model, image_size: int | None = None, vae_downsamp
 
 class DiTFamily(GaussianDiffusionFamily):
     name = "dit"
+    title, weight_formats = "DiT", "official DiT `.pt`, diffusers folders"
     models = DIT_MODELS
     datasets = dataset_map(DIGITS, FOLDER, LATENTS, *LABELLED_STREAMS)
     checkpoint_formats = ("an official DiT .pt", "a diffusers DiT folder (config.json, or transformer/)")

@@ -193,6 +193,7 @@ class FluxSampler:
 
 class FluxFamily(LatentImageFamily):
     name = "flux"
+    title, weight_formats = "FLUX.1", "official `flux1-*.safetensors`, diffusers folders"
     models = FLUX_MODELS
     # attention and MLP Linears of both streams and of the single blocks
     lora_targets = r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])|single_blocks\.\d+\.linear[12]"

@@ -151,6 +151,7 @@ def video_train_flops_per_sample(model: nn.Module) -> float:
 
 class VideoDiffusionFamily(ClipFamily, GaussianDiffusionFamily):
     name = "video"
+    title, weight_formats = "VDiT, Latte", "Latte `.pt`"
     models = VIDEO_MODELS
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS, *CLIP_STREAMS)
     samplers = (*SAMPLERS, "euler")  # euler: models trained with --objective flow

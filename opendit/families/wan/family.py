@@ -143,6 +143,7 @@ def unipc_sample(velocity_fn, x: torch.Tensor, steps: int, shift: float, progres
 
 class WanFamily(ClipFamily, LatentImageFamily):
     name = "wan"
+    title, weight_formats = "Wan2.1, Wan2.2", "official and diffusers folders"
     models = WAN_MODELS
     lora_targets = r"blocks\.\d+\.((self|cross)_attn\.[qkvo]|ffn\.[02])"  # attention and MLP Linears
     datasets = dataset_map(MOVING_DIGITS, VIDEO_CSV, LATENTS, *CLIP_STREAMS)

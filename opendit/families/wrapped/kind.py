@@ -154,6 +154,9 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         self.lora_targets = glue.lora_targets
         self.vae_channels, self.vae_params = glue.vae_channels, glue.vae_params
         self.defaults_help = {"sampler": f"{name}: its diffusers pipeline ({glue.pipeline_class})"}
+        self.title = glue.title or name
+        self.built_from = f"diffusers' `{glue.transformer_class}` / `{glue.pipeline_class}`"
+        self.weight_formats = "diffusers folders" + (", official single files" if glue.official_converter else "")
 
     def constant(self, model: str, key: str):
         return self.models[model].constants[key]
