@@ -1,6 +1,7 @@
 """FLUX.1 through diffusers' own FluxTransformer2DModel (the diffusers kind, opendit.families.wrapped.flux1) beside
 opendit's native FLUX family: the same weights (converted by FLUX_WEIGHTS) and the same batch give the same prompt
-conditions (the pipeline's encode_prompt against opendit's T5 / CLIP encoders) and equal losses; benchmarks/vs_diffusers.py (opendit against diffusers) runs."""
+conditions (the pipeline's encode_prompt against opendit's T5 / CLIP encoders) and equal losses;
+benchmarks/vs_diffusers.py (opendit against diffusers) runs."""
 import os
 
 import pytest

@@ -1,8 +1,8 @@
 """Wan2.1 through diffusers' own WanTransformer3DModel (the diffusers video kind, opendit.families.wrapped.wan21)
 beside opendit's native Wan family: the same weights (converted by WAN_WEIGHTS) and the same clips give the same
 prompt conditions (the pipeline's UMT5 encoding against opendit's) and equal losses, in pixel space and through a
-tiny AutoencoderKLWan (the command line, exact resume: tests/families/test_conformance.py); sequence parallelism at 2 ranks:
-tests/test_wrapped_sp.py."""
+tiny AutoencoderKLWan (the command line, exact resume: tests/families/test_conformance.py); sequence parallelism
+at 2 ranks: tests/test_wrapped_sp.py."""
 import pytest
 import torch
 
