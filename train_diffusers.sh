@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Train a model through diffusers' own transformer (FLUX.2 [klein], Z-Image, Qwen-Image, HunyuanVideo-1.5) under
-# opendit's stack. RECIPE=digits (the CPU demo: MODEL, default flux2-klein-debug, or z-image-debug or
-# qwen-image-debug, on 16 px captioned digits in pixel space through a tiny random local Qwen3 / Qwen2.5-VL, made on
-# first use), RECIPE=video (hunyuanvideo1.5-debug on 5-frame moving digits, tiny Qwen2.5-VL + ByT5 encoders) or
-# RECIPE=lora (a rank-16 LoRA of a downloaded pipeline folder, e.g. FLUX.2-klein-base-4B, Z-Image or Qwen-Image, on
-# one GPU). NGPU, MODEL and extra flags come from the environment / command line:
+# Train a model through diffusers' own transformer (FLUX.2, Z-Image, Qwen-Image, Chroma, HunyuanVideo-1.5, ...: every
+# family of `python -m opendit.models_doc` built from diffusers) under opendit's stack. RECIPE=digits (the CPU demo:
+# MODEL, default flux2-klein-debug, any image model's -debug size, on 16 px captioned digits in pixel space through
+# the tiny random text encoder its constants name, made on first use), RECIPE=video (MODEL, default
+# hunyuanvideo1.5-debug, on 5-frame moving digits) or RECIPE=lora (a rank-16 LoRA of a downloaded pipeline folder,
+# e.g. FLUX.2-klein-base-4B, Z-Image or Qwen-Image, on one GPU). NGPU, MODEL and extra flags come from the
+# environment / command line:
 #   RECIPE=digits bash train_diffusers.sh                                         # CPU demo, FLUX.2 [klein]
 #   RECIPE=digits MODEL=z-image-debug bash train_diffusers.sh                     # CPU demo, Z-Image
 #   RECIPE=video bash train_diffusers.sh                                          # CPU demo, HunyuanVideo-1.5
@@ -17,20 +18,16 @@ RECIPE=${RECIPE:-digits}
 case "$RECIPE" in
   digits)
     MODEL=${MODEL:-flux2-klein-debug}
-    if [[ $MODEL == qwen-image* ]]; then  # its text encoder is Qwen2.5-VL
-      ENC=${ENC:-outputs/diffusers_demo_qwen25vl}
-      [ -f "$ENC/config.json" ] || python -m opendit.families.wrapped.qwenimage "$ENC"
-    else
-      ENC=${ENC:-outputs/diffusers_demo_qwen3}
-      [ -f "$ENC/config.json" ] || python -m opendit.families.wrapped.flux2 "$ENC"
-    fi
+    ENC=${ENC:-outputs/diffusers_demo_text_$MODEL}
+    [ -e "$ENC" ] || python -m opendit.families.wrapped.tiny_text "$MODEL" "$ENC"
     set -- --model "$MODEL" --dataset captioned_digits --image_size 16 --vae none --text_encoder "$ENC" \
       --batch_size 64 --lr 1e-3 --ema_decay 0.995 --max_steps 2000 --ckpt_every 1000 --log_every 100 \
       --num_workers 0 "$@" ;;
   video)
-    ENC=${ENC:-outputs/diffusers_demo_hv15}
-    [ -f "$ENC/text_encoder/config.json" ] || python -m opendit.families.wrapped.hunyuanvideo15 "$ENC"
-    set -- --model hunyuanvideo1.5-debug --dataset moving_digits --image_size 16 --num_frames 5 --vae none \
+    MODEL=${MODEL:-hunyuanvideo1.5-debug}
+    ENC=${ENC:-outputs/diffusers_demo_text_$MODEL}
+    [ -e "$ENC" ] || python -m opendit.families.wrapped.tiny_text "$MODEL" "$ENC" --words moving_digits
+    set -- --model "$MODEL" --dataset moving_digits --image_size 16 --num_frames 5 --vae none \
       --text_encoder "$ENC" --batch_size 16 --lr 1e-3 --ema_decay 0.995 --max_steps 1000 --ckpt_every 500 \
       --log_every 50 --num_workers 0 "$@" ;;
   lora)

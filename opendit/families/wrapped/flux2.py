@@ -12,12 +12,8 @@ plain MSE; [dev]'s guidance embedding is given TRAIN_GUIDANCE, [klein] has none.
 --timestep_sampling (those scripts' --weighting_scheme: logit_normal, or uniform = their "none"). Sampling: [klein]
 with true classifier-free guidance (--cfg_scale); [dev] is guidance-distilled: --cfg_scale is the guidance it is
 given (the pipeline's guidance_scale), one evaluation per step.
-
-    python -m opendit.families.wrapped.flux2 outputs/tiny_qwen3   # a tiny random Qwen3 + tokenizer for the demo
-    python -m opendit.families.wrapped.flux2 outputs/tiny_mistral3 --encoder mistral3   # flux2-dev-debug's
+(The tiny text encoders of the debug models: python -m opendit.families.wrapped.tiny_text MODEL FOLDER.)
 """
-import argparse
-
 import torch
 
 from opendit.distributed import unwrap_model
@@ -228,14 +224,3 @@ def save_tiny_mistral3(folder, words="digits", hidden_size: int = 16, layers: in
     Mistral3ForConditionalGeneration(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder")
-    parser.add_argument("--words", default="digits", help="the vocabulary: digits, moving_digits or all")
-    parser.add_argument("--encoder", choices=("qwen3", "mistral3"), default="qwen3",
-                        help="qwen3: flux2-klein-debug's; mistral3: flux2-dev-debug's")
-    args = parser.parse_args()
-    save = save_tiny_mistral3 if args.encoder == "mistral3" else save_tiny_qwen3
-    print(save(args.folder, words=args.words))

@@ -19,7 +19,7 @@ Training: the flow the pipeline samples (x_t = (1 - t) x + t noise, target noise
 only (the image-to-video pipeline's first-frame conditioning is not trained here). Sampling: the pipeline with its
 classifier-free guider (--cfg_scale is its guidance_scale; 1: off).
 
-    python -m opendit.families.wrapped.hunyuanvideo15 outputs/tiny_hv15   # tiny text encoders for tests and the demo
+    python -m opendit.families.wrapped.tiny_text hunyuanvideo1.5-debug outputs/tiny_hv15   # its tiny text encoders
 """
 import types
 
@@ -273,8 +273,3 @@ def save_tiny_text_encoders(folder, words="moving_digits", hidden_size: int = 16
                             num_layers=1, num_heads=2)).save_pretrained(root / "text_encoder_2")
     byte_tokenizer.save_pretrained(root / "tokenizer_2")
     return str(root)
-
-
-if __name__ == "__main__":
-    import sys
-    print(save_tiny_text_encoders(sys.argv[1]))

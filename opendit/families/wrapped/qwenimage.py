@@ -122,9 +122,3 @@ def save_tiny_qwen25vl(folder, words="digits", hidden_size: int = 16, layers: in
     Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-
-if __name__ == "__main__":
-    import sys
-    print(save_tiny_qwen25vl(sys.argv[1]))  # python -m opendit.families.wrapped.qwenimage FOLDER
