@@ -1,7 +1,8 @@
 """One table over every registered diffusers-transformer family (declared or glued, image or video): its debug
 model, conditioned by the tiny text encoder its constants name (opendit.families.wrapped.tiny_text), trains from the
 command line, resumes exactly, samples through its pipeline from the command line; its prompt conditions have the
-declared shapes; a diffusers folder of it loads and names its model; its FLOP count follows torch's counter. A model
+declared shapes; a diffusers folder of it loads and names its model; its FLOP count follows torch's counter; a latent
+cache trains like encoding on the fly (image families, through a tiny VAE of their class). A model
 added as one file outside opendit trains and samples with nothing else touched. A family's own test file keeps only
 what is special to it (its pipeline's own images, its recipe's loss by hand, its official layout)."""
 import hashlib
@@ -130,6 +131,36 @@ def test_the_flop_count_follows_torchs_counter(text_encoders, family):
         model(**inputs)  # attention through matmuls the counter sees (not CPU flash attention, which it does not)
     ours = fam.train_flops_per_sample(model) / 3
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.05), family
+
+
+def _cached_families() -> list[str]:
+    from tests.families.tiny_vaes import VAE_WRITERS
+    return [f for f in DEBUG if not is_video(FAMILIES[f]) and FAMILIES[f].glue.vae_class in VAE_WRITERS]
+
+
+@pytest.mark.parametrize("family", _cached_families())
+def test_a_latent_cache_trains_like_encoding_on_the_fly(tmp_path, text_encoders, family, one_thread):
+    """preprocess.py stores each image's posterior and its caption's conditions (the pipeline's own encoding); a run
+    on the cache loads no text encoder and gives the losses of encoding on the fly (a tiny VAE of the family's
+    class)."""
+    import json
+
+    from tests.families.tiny_vaes import VAE_WRITERS
+    from tests.test_video_family import losses_of
+    options = dict(run_options(family, text_encoders(family)), image_size=16)
+    vae = VAE_WRITERS[FAMILIES[family].glue.vae_class](tmp_path / "vae")
+    cache = tmp_path / "cache"
+    run_here("preprocess.py", "--family", family, "--model", options["model"], "--dataset", "captioned_digits",
+             "--image_size", "16", "--vae", vae, "--text_encoder", options["text_encoder"], "--out", cache,
+             "--batch_size", "256", "--num_workers", "0")
+    assert json.loads((cache / "manifest.json").read_text())["count"] == 1797
+    common = dict(options, vae=vae, max_steps=3, caption_dropout_prob=0.5)
+    trainer, _ = run_trainer(cfglib.TrainConfig(**dict(common, dataset="latents", data_path=str(cache)),
+                                                outputs=str(tmp_path / "c")))
+    assert trainer.encoders.text is None
+    run_trainer(cfglib.TrainConfig(**common, outputs=str(tmp_path / "f")))
+    cached, fly = (losses_of(next((tmp_path / d).glob("000-*"))) for d in ("c", "f"))
+    np.testing.assert_allclose(cached, fly, rtol=1e-5)
 
 
 MODEL_FILE = '''
