@@ -102,9 +102,9 @@ stage 1 "$S" "Wan: Wan2.1-T2V-1.3B 33 x 480 x 480 full fine-tune step (lean opti
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site
 S=${WRAPPED_S:-120}
-stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B, Z-Image and Qwen-Image LoRA 16 steps at 1024px (random weights, synthetic conditions, bf16, checkpointing)" \
+stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B, Z-Image, Qwen-Image and Chroma1-HD LoRA 16 steps at 1024px (random weights, synthetic conditions, bf16, checkpointing)" \
   && { python3 -c "import diffusers" 2>/dev/null || echo "no diffusers here: carry its wheel in .whl/ (benchmarks/README.md)"; } \
-  && for m in flux2-klein-4b z-image qwen-image; do timeout $((S / 3)) python3 benchmarks/wrapped_step.py --device cuda \
+  && for m in flux2-klein-4b z-image qwen-image chroma1-hd; do timeout $((S / 4)) python3 benchmarks/wrapped_step.py --device cuda \
   --model "$m" --image_size 1024 --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3; done
 
 S=${VS_DIFFUSERS_S:-240}

@@ -117,10 +117,10 @@ def test_a_kohya_flux2_file_under_bfl_names_loads_as_diffusers_reads_it(tmp_path
 
 
 @pytest.mark.parametrize("model, rank", [("flux2-klein-debug", 4), ("z-image-debug", 0), ("qwen-image-debug", 4),
-                                         ("hunyuanvideo1.5-debug", 4)])
+                                         ("chroma-debug", 4), ("hunyuanvideo1.5-debug", 4)])
 def test_the_gpu_step_benchmark_runs_on_cpu(model, rank):
-    """benchmarks/wrapped_step.py (gpu_check.sh's FLUX.2 / Z-Image / Qwen-Image rows) on the debug models: finite,
-    and LoRA trains only the adapters."""
+    """benchmarks/wrapped_step.py (gpu_check.sh's FLUX.2 / Z-Image / Qwen-Image / Chroma rows) on the debug models:
+    finite, and LoRA trains only the adapters."""
     from benchmarks.wrapped_step import step_figures
 
     args = types.SimpleNamespace(model=model, image_size=16, lora_rank=rank, batch_size=2, steps=2, grad_checkpoint=1,
