@@ -23,8 +23,8 @@ def to_uint8(x: torch.Tensor) -> np.ndarray:
 
 
 def rgb(x: np.ndarray) -> np.ndarray:
-    """uint8 [..., 1 or 3] -> [..., 3]."""
-    return np.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
+    """uint8 [..., 1, 3 or 4] -> [..., 3] (an alpha channel dropped: RGBA pipelines', Qwen-Image 2.1's)."""
+    return np.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x[..., :3]
 
 
 def upscale(x: np.ndarray, factor: int) -> np.ndarray:

@@ -47,3 +47,11 @@ def test_readme_fits_a_screen_and_links_what_moved():
     assert len(readme.splitlines()) <= 160
     for doc in ("training", "sampling", "video", "flux", "flags", "architecture"):
         assert f"docs/{doc}.md" in readme
+
+
+def test_readme_models_table_is_the_registrys():
+    """README's table of models is `python -m opendit.models_doc` for the built-in families: every registered family,
+    none that is gone."""
+    from opendit.models_doc import models_table
+    assert models_table() in (ROOT / "README.md").read_text(), \
+        "README.md's models table is stale: paste `python -m opendit.models_doc` under ## Models"

@@ -20,7 +20,7 @@ LAYERS = (
     {"checkpoint"},
     {"families"},
     {"shared_options", "config", "run_files"},
-    {"lora", "eval", "plot", "flags_doc"},
+    {"lora", "eval", "plot", "flags_doc", "models_doc"},
     {"inference"},
     {"training"},
     {"plan"},

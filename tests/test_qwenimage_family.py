@@ -1,14 +1,13 @@
 """Qwen-Image through diffusers' own QwenImageTransformer2DModel under opendit's stack: what is special to it (the
 command line, exact resume: tests/families/test_conformance.py): prompts
 are encoded by the pipeline's own code (its system template's 34 tokens dropped); the loss is the recipe's through
-diffusers' forward; sampled images equal QwenImagePipeline's own bitwise (a tiny causal 3-D VAE); the plugins,
-activation checkpointing and LoRA at two ranks equal the plain run."""
+diffusers' forward; sampled images equal QwenImagePipeline's own bitwise (a tiny causal 3-D VAE) (plugins, LoRA and SP
+training at two ranks: tests/families/test_conformance_ranks.py)."""
 import numpy as np
 import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.distributed import run_distributed, train_each
 from tests.run_each import sample_each, sample_here
 from tests.test_train import run_trainer
 
@@ -111,23 +110,3 @@ def test_samples_equal_the_pipelines_own_images(tmp_path, qwen25vl):
                   max_sequence_length=32, output_type="pil").images
     assert ours.shape == (3, 16, 16, 3)
     np.testing.assert_array_equal(ours, np.stack([np.asarray(im) for im in theirs]))
-
-
-@pytest.mark.slow
-def test_plugins_checkpointing_and_lora_at_two_ranks_equal_the_plain_run(tmp_path, qwen25vl):
-    base = tmp_path / "base"
-    run_trainer(qwen_cfg(base, qwen25vl, max_steps=2))
-    lora = dict(lora_rank=4, ema_decay=0.0,
-                init_weights=str(base / "000-qwen-image-debug" / "checkpoints" / "step-000002" / "ema.safetensors"))
-    names = ["ddp", "zero2", "fsdp-checkpointed", "ddp-lora", "fsdp-lora", "sp2-fsdp-checkpointed"]
-    flags = [{}, dict(plugin="zero2"), dict(plugin="fsdp", grad_checkpoint=1), lora, dict(plugin="fsdp", **lora),
-             dict(sequence_parallel_size=2, plugin="fsdp", grad_checkpoint=1)]
-    losses = dict(zip(names, run_distributed(train_each, 2, [qwen_cfg(tmp_path / n, qwen25vl, **kw)
-                                                             for n, kw in zip(names, flags)])[0]))
-    for name in ("zero2", "fsdp-checkpointed"):
-        np.testing.assert_allclose(losses[name], losses["ddp"], rtol=1e-4, err_msg=name)
-    np.testing.assert_allclose(losses["fsdp-lora"], losses["ddp-lora"], rtol=1e-4)
-    assert losses["ddp-lora"] != losses["ddp"]
-    # sequence parallelism: both ranks see the same 4 samples, as one process does
-    _, one = run_trainer(qwen_cfg(tmp_path / "one", qwen25vl))
-    np.testing.assert_allclose(losses["sp2-fsdp-checkpointed"], one, rtol=1e-5)

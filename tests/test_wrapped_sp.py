@@ -16,8 +16,10 @@ from tests.families.test_conformance import DEBUG
 # every family of the kind with a parallel plan (Z-Image: at 3 ranks below), by its debug model
 MODELS = {f: m for f, m in DEBUG.items() if f != "zimage" and get_family(f).glue.parallel_plan is not None}
 # inputs at 2 ranks: an even and an odd token count (images: 2x2-packed latents; Wan-debug: 4x4-patched clips)
-# HunyuanVideo-1.5 (patch 1): its joint text sequence (729 + 256 + 16 tokens) is odd, so its Qwen tokens get padded
-GRIDS = {"wan21": ((2, 8, 12), (3, 4, 20), "15 tokens"), "hunyuanvideo15": ((2, 4, 6), (3, 3, 5), "45 tokens")}
+# HunyuanVideo-1.5 (patch 1): its joint text sequence (729 + 256 + 16 tokens) is odd, so its Qwen tokens get padded;
+# LTX-2 (patch 1): its video tokens, with its audio stream (one token) whole on each rank
+GRIDS = {"wan21": ((2, 8, 12), (3, 4, 20), "15 tokens"), "hunyuanvideo15": ((2, 4, 6), (3, 3, 5), "45 tokens"),
+         "ltx2": ((2, 4, 6), (3, 3, 5), "45 tokens")}
 IMAGE_GRIDS = ((4, 6), (3, 5), "15 tokens")
 
 

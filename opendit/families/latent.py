@@ -78,6 +78,7 @@ class LatentImageFamily(ModelFamily):
     # the family's usual VAE, for planning memory without loading it: SD's AutoencoderKL (4 latent channels, 8x
     # down; 83,653,863 parameters in diffusers' layout), fp32 as load_vae loads it
     vae_channels, vae_params = 4, 83_653_863
+    vae_downsampling = 8  # pixels per latent side of the usual VAE (the memory planner's stand-in)
     sampling_needs: tuple[str, ...] = ("image_size",)  # settings a checkpoint must tell (or a flag give)
 
     def patch_size(self, cfg) -> int:
@@ -180,10 +181,11 @@ class LatentImageFamily(ModelFamily):
 
     # ---- memory planning ------------------------------------------------------------------------------------
     def memory_probe(self, cfg, device) -> MemoryProbe:
-        """The latent shape as with the family's usual VAE (only its geometry is read: 8x down, vae_channels), its
-        fp32 bytes and the text encoders' (text_encoder_bytes)."""
+        """The latent shape as with the family's usual VAE (only its geometry is read: vae_downsampling,
+        vae_channels), its fp32 bytes and the text encoders' (text_encoder_bytes)."""
+        levels = self.vae_downsampling.bit_length()  # 2 ** (levels - 1) down, as a diffusers VAE's block_out_channels
         vae = None if is_none(cfg.vae) else types.SimpleNamespace(config=types.SimpleNamespace(
-            block_out_channels=(0,) * 4, latent_channels=self.vae_channels))
+            block_out_channels=(0,) * levels, latent_channels=self.vae_channels))
         encoders = {} if vae is None else {"VAE": 4 * self.vae_params}
         encoders.update(self.text_encoder_bytes(cfg, device))
         return MemoryProbe(self.latent_shape(cfg, ImageEncoders(vae)), encoders)

@@ -26,8 +26,9 @@ DEBUG = {name: next(m for m, spec in f.models.items() if "tiny_text" in spec.con
          for name, f in FAMILIES.items() if hasattr(f, "glue")}
 
 
-# the smallest pixel size each pipeline accepts, where 8 is not (WanPipeline: multiples of 16)
-IMAGE_SIZE = {"wan21": 16}
+# the smallest pixel size each pipeline accepts, where 8 is not (WanPipeline, Kandinsky5T2VPipeline: multiples
+# of 16; SanaPipeline, LTX2Pipeline: of 32)
+IMAGE_SIZE = {"wan21": 16, "sana": 32, "kandinsky5": 16, "ltx2": 32}
 # FLOP counts that differ from torch's counter, and why
 FLOPS_DIFFER = {
     "zimage": "the model pads caption and image tokens to multiples of 32: at the debug size (16 + 16) the counter "

@@ -15,7 +15,8 @@ from opendit.families.wrapped.video import DiffusersVideoFamily
 from opendit.families.wrapped.wan21 import Wan21Glue
 
 # the declared models: one module of this package each, the registry line of a new model
-DECLARED = ("flux1", "zimage", "qwenimage", "chroma")
+DECLARED = ("flux1", "zimage", "qwenimage", "chroma", "krea2", "sana", "ernieimage", "sd35", "ideogram4", "flux3",
+            "kandinsky5", "kandinsky5_image", "qwenimage21", "ltx2")
 
 GLUED = (DiffusersFamily("flux2", Flux2Glue()),
          DiffusersVideoFamily("hunyuanvideo15", HunyuanVideo15Glue()), DiffusersVideoFamily("wan21", Wan21Glue()))

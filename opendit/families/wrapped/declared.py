@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from opendit.checkpoint.folders import read_config
-from opendit.families.wrapped.glue import (ModelGlue, TextEncoder, WrappedSpec, find_folder, last_block_parameters,
-                                           pack)
+from opendit.families.wrapped.glue import (GUIDANCE_DISTILLED, ModelGlue, TextEncoder, WrappedSpec, find_folder,
+                                           last_block_parameters, pack)
 from opendit.perf import matmul_macs
 
 
@@ -49,13 +49,15 @@ class Streams:
     """Which token stream each Linear of the model runs on, for the FLOP count: regexes over module names, tried in
     order one (a single row: modulations, time embeddings), joint (text + image), text; the rest run on the image
     tokens. rows: {regex: model -> its row count} for Linears that run on a count of their own (tried first).
-    attention: {block list: the stream its attention spans}; width: the arch keys whose product is the attention's
-    inner width."""
+    attention: {block list: the stream its attention spans; or "list.attr": the blocks of the list whose `attr` is
+    not None (a second attention some blocks have)}, the stream given as f(model, text tokens, image tokens) -> one
+    block's attention MACs where that attention is not softmax attention within one stream (linear, cross);
+    width: the arch keys whose product is the attention's inner width."""
     rows: Mapping[str, Callable] = field(default_factory=dict)
     one: str = r"^$"
     joint: str = r"^$"
     text: str = r"^$"
-    attention: Mapping[str, str] = field(default_factory=dict)
+    attention: Mapping[str, str | Callable] = field(default_factory=dict)
     width: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
 
 
@@ -86,16 +88,28 @@ class Declared:
     streams: Streams
     fps: float | None = None  # a video model's frame rate (its clips' default); None: an image model
     vae: str = "AutoencoderKL"
-    vae_kind: str = "kl"  # "kl": a posterior of images; "frame": a video VAE given one frame; "dc": deterministic
+    vae_kind: str = "kl"  # "kl": a posterior of images; "frame": a video VAE given one frame; "dc": deterministic;
+    # "stated": a posterior of a VAE that states its downsampling (spatial_compression_ratio: LTX-2's patches first)
     vae_size: tuple[int, float] = (4, 83_653_863)  # (latent channels, parameters) of its usual VAE, for the planner
+    vae_downsampling: int = 8  # pixels per latent side of its usual VAE, for the planner
     patch: int = 2  # latent positions per token side
     outside_patch: int = 2  # of those, packed before the model (1: the model patches itself)
     packed_latents: bool = True  # the pipeline takes its latents as tokens (else as a grid)
     cfg_calls: str | None = "pairs"  # how the pipeline guides (opendit.parallel.cfg): "pairs", "batched", None
+    no_cfg_pair: str = GUIDANCE_DISTILLED  # with cfg_calls None: why --cfg_parallel has no pair of calls to split
     parallel_plan: object = None  # context_parallel.diffusers_plan(...), or None: it cannot be split
     derived: Mapping[str, Callable] = field(default_factory=dict)  # {arch key: f(arch)} the run's channels decide
-    unused: tuple[str, tuple[str, ...]] | None = None  # (block list, modules) the last block computes for nothing
+    # (block list, modules) the last block computes for nothing, or a regex over the names of parameters the
+    # forward never reaches (a branch of the model the family does not feed)
+    unused: tuple[str, tuple[str, ...]] | str | None = None
     repair: Callable | None = None  # model -> model, once built (what diffusers' class gets wrong on the meta device)
+    # () -> a subclass of `pipeline` that samples in its place where diffusers' own cannot be handed the feed's
+    # conditions (Ideogram 4's takes prompt strings alone) or the run's latents and size (Kandinsky 5's); the feed's
+    # call gives its arguments
+    sampling_pipeline: Callable | None = None
+    # (pipeline class, {component: object}) -> the pipeline, where it is not built by its constructor (a modular
+    # pipeline); what it returns is called as a classic pipeline is (its first output: the images)
+    make_pipeline: Callable | None = None
     official_key: str | tuple[str, ...] = ""  # key(s) only the release's single file has (all of them), and
     # diffusers' converter of that layout
     official_converter: str = ""
@@ -110,6 +124,7 @@ class DeclaredGlue(ModelGlue):
         self.transformer_class, self.pipeline_class = d.transformer, d.pipeline
         self.scheduler_config, self.vae_class = dict(d.scheduler), d.vae
         self.vae_channels, self.vae_params = d.vae_size
+        self.vae_downsampling = d.vae_downsampling
         self.parallel_plan, self.lora_targets, self.recipe = d.parallel_plan, d.lora_targets, d.recipe
         self.patch, self.outside_patch = d.patch, d.outside_patch
         self.official_key, self.official_converter = d.official_key, d.official_converter
@@ -117,29 +132,38 @@ class DeclaredGlue(ModelGlue):
         self.models = {n: WrappedSpec(n, d.family, None, dict(s.arch), dict(s.constants)) for n, s in d.models.items()}
 
     def __call__(self, **config) -> nn.Module:
-        model = super().__call__(**{**config, **{k: f(config) for k, f in self.d.derived.items()}})
+        config = {**config, **{k: f(config) for k, f in self.d.derived.items()}}
+        if "in_channels" not in inspect.signature(self.transformer_type().__init__).parameters:
+            del config["in_channels"]  # a class naming its channels otherwise (Kandinsky 5) takes them by `derived`
+        model = super().__call__(**config)
         return model if self.d.repair is None else self.d.repair(model)
 
     def cfg_calls(self, model):
         return self.d.cfg_calls
 
+    def no_cfg_pair(self, model) -> str:
+        return self.d.no_cfg_pair
+
     def kohya_lora_names(self, keys):
         return None if self.d.kohya_names is None else dict(self.d.kohya_names)
 
     def unused_parameters(self, model):
+        if isinstance(self.d.unused, str):
+            return [n for n, _ in model.named_parameters() if re.match(self.d.unused, n)]
         return [] if self.d.unused is None else last_block_parameters(model, *self.d.unused)
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         """The pipeline's text components from `path` (a pipeline folder, or for one encoder a folder holding it and
         its tokenizer), held by the pipeline whose encoding code the feed runs."""
-        parts = {arg: _text_part(path, arg, self.d.text, device, dtype) for arg in self.d.text}
+        pipeline = self.pipeline_type(self.pipeline_class)
+        parts = {arg: _text_part(path, arg, self.d.text, device, dtype, pipeline) for arg in self.d.text}
         encoder = next(v for k, v in parts.items() if not k.startswith("tokenizer"))
         tokenizer = next(v for k, v in parts.items() if k.startswith("tokenizer"))
         constants = self.models[model].constants
         return TextEncoder(encoder, tokenizer, constants["max_sequence_length"],
                            tuple(constants.get("text_layers", ())),
-                           pipeline=_construct(self.pipeline_type(self.pipeline_class), parts))
+                           pipeline=(self.d.make_pipeline or _construct)(pipeline, parts))
 
     def encode_prompts(self, encoder, captions, device) -> dict:
         return self.feed.encode(encoder, list(captions), device)
@@ -157,10 +181,12 @@ class DeclaredGlue(ModelGlue):
             return 2 ** len(vae.temperal_downsample), vae.config.z_dim
         if self.d.vae_kind == "dc" and hasattr(vae.config, "encoder_block_out_channels"):
             return 2 ** (len(vae.config.encoder_block_out_channels) - 1), vae.config.latent_channels
+        if self.d.vae_kind == "stated" and hasattr(vae, "spatial_compression_ratio"):  # not the planner's stand-in
+            return vae.spatial_compression_ratio, vae.config.latent_channels
         return super().vae_geometry(vae)
 
     def posterior(self, vae, images):
-        x = images.to(next(vae.parameters()).dtype)
+        x = _opaque_alpha(vae, images).to(next(vae.parameters()).dtype)
         if self.d.vae_kind == "dc":  # deterministic: its latent, with no spread
             z = vae.encode(x).latent.float()
             return z, torch.zeros_like(z)
@@ -181,7 +207,7 @@ class DeclaredGlue(ModelGlue):
 
     def forward_macs(self, model, txt_tokens, img_tokens) -> int:
         """Each Linear costs its stream's rows (Streams) * in * out; each block's attention 2 * L^2 * width over
-        its stream."""
+        its stream (or what its Streams function counts)."""
         s, rows = self.d.streams, {"one": 1, "joint": txt_tokens + img_tokens, "text": txt_tokens, "image": img_tokens}
 
         own = {pattern: count(model) for pattern, count in s.rows.items()}
@@ -194,8 +220,15 @@ class DeclaredGlue(ModelGlue):
         width = 1
         for key in s.width:
             width *= model.config[key]
-        attention = sum(len(getattr(model, blocks)) * rows[stream] ** 2 for blocks, stream in s.attention.items())
-        return matmul_macs(model, rows_of) + 2 * attention * width
+
+        def blocks_of(name: str) -> int:  # "list", or "list.attr": those of its blocks whose attr is not None
+            blocks, _, attr = name.partition(".")
+            return sum(not attr or getattr(block, attr) is not None for block in getattr(model, blocks))
+
+        def block_attention(stream) -> int:  # one block's: softmax over a stream, else the model's own count
+            return stream(model, txt_tokens, img_tokens) if callable(stream) else 2 * rows[stream] ** 2 * width
+        attention = sum(blocks_of(name) * block_attention(stream) for name, stream in s.attention.items())
+        return matmul_macs(model, rows_of) + attention
 
     # ---- sampling ------------------------------------------------------------------------------------------
     @staticmethod
@@ -207,8 +240,10 @@ class DeclaredGlue(ModelGlue):
         from diffusers import FlowMatchEulerDiscreteScheduler
         scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
                      else FlowMatchEulerDiscreteScheduler(**self.scheduler_config))
-        pipe = _construct(self.pipeline_type(name or self.pipeline_class),
-                          dict(scheduler=scheduler, vae=vae, transformer=model, **components))
+        chosen = (self.d.sampling_pipeline() if self.d.sampling_pipeline
+                  else self.pipeline_type(name or self.pipeline_class))
+        pipe = (self.d.make_pipeline or _construct)(chosen, dict(scheduler=scheduler, vae=vae, transformer=model,
+                                                                 **components))
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -219,16 +254,26 @@ class DeclaredGlue(ModelGlue):
         return self.feed.call(self.models[loaded.cfg.model].constants, sample_cfg, cond, negative)
 
 
+def _opaque_alpha(vae, images: torch.Tensor) -> torch.Tensor:
+    """RGB images with an opaque alpha channel where the VAE reads RGBA (its config's in_channels 4: Qwen-Image
+    2.1's), as its pipeline converts images to RGBA; other images as they are."""
+    if getattr(vae.config, "in_channels", None) == 4 and images.shape[1] == 3:
+        return torch.cat([images, torch.ones_like(images[:, :1])], dim=1)
+    return images
+
+
 def _construct(pipeline_class, components: dict):
-    """pipeline_class with `components`, every other constructor argument None (no text encoder: prompts are
-    encoded apart; no transformer: a pipeline that only encodes)."""
-    names = [p for p in inspect.signature(pipeline_class.__init__).parameters if p != "self"]
-    return pipeline_class(**{n: components.get(n) for n in names})
+    """pipeline_class with `components`, every other constructor argument its default, or None where it has none
+    (no text encoder: prompts are encoded apart; no transformer: a pipeline that only encodes)."""
+    parameters = inspect.signature(pipeline_class.__init__).parameters
+    return pipeline_class(**{n: components.get(n) for n, p in parameters.items()
+                             if n != "self" and (n in components or p.default is inspect.Parameter.empty)})
 
 
-def _text_part(path: str, arg: str, text: Mapping[str, str], device, dtype):
+def _text_part(path: str, arg: str, text: Mapping[str, str], device, dtype, pipeline_class):
     """The text component `arg` (a pipeline argument, in `text[arg]`/ of a pipeline folder): a tokenizer
-    (AutoTokenizer) or an encoder (the transformers class its config names)."""
+    (AutoTokenizer), an encoder (the transformers class its config names), or a diffusers model of the pipeline's text
+    side (its config's `_class_name`, as the pipeline's module imports it: LTX-2's text connectors)."""
     import transformers
     tokenizer, sub = arg.startswith("tokenizer"), text[arg]
     marker = "tokenizer_config.json" if tokenizer else "config.json"
@@ -241,7 +286,11 @@ def _text_part(path: str, arg: str, text: Mapping[str, str], device, dtype):
                                     f"folder, holding {', '.join(s + '/' for s in text.values())}")
     if tokenizer:
         return transformers.AutoTokenizer.from_pretrained(folder)
-    named = (read_config(folder).get("architectures") or ["AutoModel"])[0]
+    config = read_config(folder)
+    if "_class_name" in config:
+        model_class = getattr(inspect.getmodule(pipeline_class), config["_class_name"])
+        return model_class.from_pretrained(folder, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    named = (config.get("architectures") or ["AutoModel"])[0]
     model_class = getattr(transformers, named, transformers.AutoModel)
     return model_class.from_pretrained(folder, dtype=dtype).to(device).eval().requires_grad_(False)
 

@@ -18,11 +18,16 @@ from opendit.checkpoint.folders import read_config
 from opendit.families.base import ModelSpec
 
 
+GUIDANCE_DISTILLED = "it is guidance-distilled: --cfg_scale is its embedded guidance, one model call per step"
+
+
 class WrappedSpec(ModelSpec):
     """A registry entry whose arch is the diffusers transformer's config (its class's constructor arguments)."""
 
     @property
     def num_heads(self) -> int:
+        if "model_dim" in self.arch and "axes_dims" in self.arch:  # no head count: heads as wide as the RoPE axes
+            return self.arch["model_dim"] // sum(self.arch["axes_dims"])
         return next(self.arch[k] for k in ("num_attention_heads", "n_heads") if k in self.arch)
 
 
@@ -91,13 +96,16 @@ class PixelSpace(nn.Module):
 
     def __init__(self, channels: int):
         super().__init__()
-        self.config = types.SimpleNamespace(block_out_channels=(channels,), batch_norm_eps=0.0,
-                                            latent_channels=channels, scaling_factor=1.0, shift_factor=0.0,
+        # encoder_block_out_channels: AutoencoderDC's downsampling, as Sana's pipeline reads it
+        self.config = types.SimpleNamespace(block_out_channels=(channels,), encoder_block_out_channels=(channels,),
+                                            batch_norm_eps=0.0, latent_channels=channels, scaling_factor=1.0,
+                                            shift_factor=0.0,
                                             z_dim=channels, latents_mean=[0.0] * channels, latents_std=[1.0] * channels,
                                             scale_factor_temporal=1, scale_factor_spatial=1)
         self.bn = types.SimpleNamespace(running_mean=torch.zeros(4 * channels), running_var=torch.ones(4 * channels))
         self.temperal_downsample = []  # Qwen-Image's pipeline reads its downsampling from this
         self.temporal_compression_ratio = self.spatial_compression_ratio = 1  # HunyuanVideo-1.5's pipeline these
+        self.config.temporal_compression_ratio = self.config.spatial_compression_ratio = 1  # and Kandinsky 5's these
         self.register_buffer("anchor", torch.zeros(()), persistent=False)  # its device and dtype for the pipeline
 
     @property
@@ -152,6 +160,7 @@ class ModelGlue:
     scheduler_config: dict = {}  # FlowMatchEulerDiscreteScheduler's settings of the release
     vae_class: str = "AutoencoderKL"
     vae_channels, vae_params = 4, 83_653_863  # the usual VAE's, for the memory planner (SD's AutoencoderKL)
+    vae_downsampling = 8
     models: dict = {}
     parallel_plan = None  # an opendit.parallel.ParallelPlan (context_parallel.diffusers_plan) or None
     lora_targets: str = ""
@@ -190,6 +199,10 @@ class ModelGlue:
         "pairs" (a conditional then an unconditional call per step), "batched" (one call on [cond; uncond]), or None
         (no true guidance: guidance-distilled)."""
         return "pairs"
+
+    def no_cfg_pair(self, model: str) -> str:
+        """Why the pipeline of `model` makes no pair of guidance calls for --cfg_parallel (cfg_calls None)."""
+        return GUIDANCE_DISTILLED
 
     def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]] | None:
         """The release's module names that kohya/ComfyUI LoRA files of this model use, where they are not diffusers'

@@ -152,7 +152,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         self.name, self.glue = name, glue
         self.models = {n: dataclasses.replace(spec, constructor=glue) for n, spec in glue.models.items()}
         self.lora_targets = glue.lora_targets
-        self.vae_channels, self.vae_params = glue.vae_channels, glue.vae_params
+        self.vae_channels, self.vae_params, self.vae_downsampling = glue.vae_channels, glue.vae_params, \
+            glue.vae_downsampling
         self.defaults_help = {"sampler": f"{name}: its diffusers pipeline ({glue.pipeline_class})"}
         self.title = glue.title or name
         self.built_from = f"diffusers' `{glue.transformer_class}` / `{glue.pipeline_class}`"
@@ -322,8 +323,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
             raise ValueError("--cache fbcache with --cfg_parallel: diffusers' First Block Cache keeps one state per "
                              "guidance branch, which the two ranks would split; leave one of them out")
         if sample_cfg.cfg_parallel and self.glue.cfg_calls(cfg.model) is None:
-            raise ValueError(f"--cfg_parallel: {cfg.model} is guidance-distilled (--cfg_scale is its embedded "
-                             f"guidance, one model call per step), so there is no guidance pair to split; leave it out")
+            raise ValueError(f"--cfg_parallel: {cfg.model} has no pair of guidance calls to split "
+                             f"({self.glue.no_cfg_pair(cfg.model)}); leave it out")
         hooked = {f"--cache {sample_cfg.cache}": sample_cfg.cache not in ("none", "fbcache"),
                   "--vae_tiling": sample_cfg.vae_tiling or sample_cfg.vae_tile_size is not None,
                   "--parallel_decode": sample_cfg.parallel_decode}
