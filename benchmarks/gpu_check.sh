@@ -106,6 +106,10 @@ stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B, Z-Image, Qwen-Image an
   && { python3 -c "import diffusers" 2>/dev/null || echo "no diffusers here: carry its wheel in .whl/ (benchmarks/README.md)"; } \
   && for m in flux2-klein-4b z-image qwen-image chroma1-hd; do timeout $((S / 4)) python3 benchmarks/wrapped_step.py --device cuda \
   --model "$m" --image_size 1024 --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3; done
+S=${LTX2_S:-60}
+stage 1 "$S" "LTX-2 19B LoRA rank 16, 3 steps of 25 frames at 512px (random weights, synthetic conditions, bf16, checkpointing)" \
+  && timeout "$S" python3 benchmarks/wrapped_step.py --device cuda --model ltx2-19b --image_size 512 --num_frames 25 \
+  --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3
 
 S=${VS_DIFFUSERS_S:-240}
 stage 2 "$S" "opendit vs diffusers on the same weights (DiT-XL, Latte-XL, FLUX.1 3072 wide, Wan2.1-1.3B wide; bf16 autocast; training and CFG sampling steps, eager then compiled; then LoRA 16 against PEFT)" \

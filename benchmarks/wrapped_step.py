@@ -6,6 +6,7 @@ text encoder are read).
 
     python benchmarks/wrapped_step.py --device cuda --model flux2-klein-4b --image_size 1024 --lora_rank 16
     python benchmarks/wrapped_step.py --device cuda --model z-image --image_size 1024
+    python benchmarks/wrapped_step.py --device cuda --model ltx2-19b --image_size 512 --num_frames 25 --lora_rank 16
     python benchmarks/wrapped_step.py --model flux2-klein-debug --image_size 16 --steps 2      # CPU smoke run
 
 Prints (and writes to --out as a markdown row): seconds per step (median after the first), peak device memory,
@@ -33,8 +34,9 @@ def step_figures(a) -> dict:
     cuda = device.type == "cuda"
     family = family_of(a.model)
     files = next(name for name, spec in family.datasets.items() if not spec.built_in)  # captions of the usual VAE
+    frames = {"num_frames": a.num_frames} if getattr(a, "num_frames", None) else {}  # a video model's clip length
     cfg = family.resolve_config(cfglib.TrainConfig(model=a.model, image_size=a.image_size, lora_rank=a.lora_rank,
-                                                   dataset=files, vae="auto"))
+                                                   dataset=files, vae="auto", **frames))
     shape = family.memory_probe(cfg, device).latent_shape
     torch.manual_seed(0)
     with torch.device(device):
@@ -75,6 +77,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux2-klein-debug")
     p.add_argument("--image_size", type=int, default=16)
+    p.add_argument("--num_frames", type=int, default=None, help="a video model's frames (default: the run's)")
     p.add_argument("--lora_rank", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)

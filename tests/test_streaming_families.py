@@ -2,7 +2,6 @@
 moving digits) written as WebDataset tar shards, a --dataset_config entry for the image families. A family that
 gains no stream datasets fails the coverage test."""
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -10,18 +9,8 @@ import pytest
 from opendit import config as cfglib
 from opendit.data.shards import write
 from opendit.families import FAMILIES
+from tests.families.test_conformance import DEBUG, IMAGE_SIZE
 from tests.test_train import run_trainer
-
-
-def _flux_pipe(root):
-    from tests.test_flux_family import tiny_text_encoders
-
-    t5, clip = tiny_text_encoders(root)
-    pipe = root / "pipe"
-    pipe.mkdir()
-    for name, target in (("text_encoder", clip), ("tokenizer", clip), ("text_encoder_2", t5), ("tokenizer_2", t5)):
-        os.symlink(target, pipe / name)
-    return {"text_encoder": str(pipe)}
 
 
 def _flux(root):
@@ -31,19 +20,9 @@ def _flux(root):
     return {"t5": t5, "clip": clip}
 
 
-def _qwen3(root):
-    from opendit.families.wrapped.flux2 import save_tiny_qwen3
-    return {"text_encoder": save_tiny_qwen3(root)}
-
-
-def _qwen25vl(root):
-    from opendit.families.wrapped.qwenimage import save_tiny_qwen25vl
-    return {"text_encoder": save_tiny_qwen25vl(root)}
-
-
-def _hv15(root):
-    from opendit.families.wrapped.hunyuanvideo15 import save_tiny_text_encoders
-    return {"text_encoder": save_tiny_text_encoders(root)}
+def _tiny_text(model, words, root):
+    from opendit.families.wrapped.tiny_text import write_text_encoder
+    return {"text_encoder": write_text_encoder(model, root / "text", words)}
 
 
 def _umt5(flag, root):
@@ -57,16 +36,14 @@ CLIP = dict(image_size=8, num_frames=3)
 TABLE = {
     "dit": ("DiT-debug", lambda root: {}, dict(IMAGE, num_classes=10), False),
     "flux": ("flux-debug", _flux, IMAGE, False),
-    "flux1": ("flux1-debug-diffusers", _flux_pipe, dict(IMAGE, vae="none"), False),
-    "flux2": ("flux2-klein-debug", _qwen3, dict(IMAGE, vae="none"), False),
-    "zimage": ("z-image-debug", _qwen3, dict(IMAGE, vae="none"), False),
-    "qwenimage": ("qwen-image-debug", _qwen25vl, dict(IMAGE, vae="none"), False),
     "video": ("Latte-debug", lambda root: {}, dict(CLIP, num_classes=10), True),
     "wan": ("Wan-debug", functools.partial(_umt5, "umt5"), CLIP, True),
-    "wan21": ("wan-debug-diffusers", functools.partial(_umt5, "text_encoder"), dict(CLIP, image_size=16,
-                                                                                    num_frames=5, vae="none"), True),
-    "hunyuanvideo15": ("hunyuanvideo1.5-debug", _hv15, dict(CLIP, num_frames=5, vae="none"), True),
 }
+for _family, _model in DEBUG.items():  # the diffusers kind's, in pixel space through their tiny text encoders
+    _clips = "moving_digits" in FAMILIES[_family].datasets
+    TABLE[_family] = (_model, functools.partial(_tiny_text, _model, "moving_digits" if _clips else "digits"),
+                      dict(CLIP if _clips else IMAGE, vae="none", image_size=IMAGE_SIZE.get(_family, 8),
+                           **(dict(num_frames=5) if _clips else {})), _clips)
 
 
 @pytest.fixture(scope="module")

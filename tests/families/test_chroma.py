@@ -8,21 +8,14 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     from tests.test_zimage_family import save_tiny_flux_vae
     root = tmp_path_factory.mktemp("chroma")
-    family = get_family("chroma")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="chroma-debug", dataset="captioned_digits", image_size=16, vae=save_tiny_flux_vae(root / "vae"),
-        text_encoder=write_text_encoder("chroma-debug", root / "t5"), outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("chroma-debug", root, save_tiny_flux_vae(root / "vae"))
 
 
 CAPTIONS = ["a handwritten one", "the digit twenty two"]

@@ -8,23 +8,16 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 CAPTIONS = ["a handwritten one", "the digit seven seven seven"]
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     from tests.test_flux2_family import save_tiny_flux2_vae
     root = tmp_path_factory.mktemp("flux3")
-    family = get_family("flux3")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="flux3-debug", dataset="captioned_digits", image_size=16, vae=save_tiny_flux2_vae(root / "vae"),
-        text_encoder=write_text_encoder("flux3-debug", root / "qwen3vl"), batch_size=2, outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("flux3-debug", root, save_tiny_flux2_vae(root / "vae"), batch_size=2)
 
 
 def _pipeline(enc, model=None, with_text: bool = True):

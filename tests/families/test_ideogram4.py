@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 CAPTIONS = ["a handwritten one", "the digit twenty two"]
 LENGTH = 24  # ideogram4-debug's max_sequence_length
@@ -25,17 +26,9 @@ def one_thread_for_the_module():
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     from tests.test_flux2_family import save_tiny_flux2_vae
     root = tmp_path_factory.mktemp("ideogram4")
-    family = get_family("ideogram4")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="ideogram4-debug", dataset="captioned_digits", image_size=16, vae=save_tiny_flux2_vae(root / "vae"),
-        text_encoder=write_text_encoder("ideogram4-debug", root / "qwen3vl"), outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("ideogram4-debug", root, save_tiny_flux2_vae(root / "vae"))
 
 
 def _pipeline(enc, model, scheduler=None, vae=None):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.test_qwenimage_family import save_tiny_qwen_vae
 
 CAPTIONS = ["a handwritten one", "the digit seven seven seven"]  # 3 and 5 words: padded apart
 
@@ -16,15 +17,6 @@ CAPTIONS = ["a handwritten one", "the digit seven seven seven"]  # 3 and 5 words
 def qwen3vl(tmp_path_factory):
     from opendit.families.wrapped.tiny_text import write_text_encoder
     return write_text_encoder("krea2-debug", tmp_path_factory.mktemp("qwen3vl"))
-
-
-def save_tiny_qwen_vae(folder):
-    from diffusers import AutoencoderKLQwenImage
-
-    torch.manual_seed(0)
-    AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False],
-                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 2.0, 1.0]).save_pretrained(folder)
-    return str(folder)
 
 
 def _parts(encoder, vae):

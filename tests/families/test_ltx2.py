@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 CAPTIONS = ["the digit 7 moving left", "the digit 3"]
 
@@ -47,17 +48,8 @@ def tiny_audio_decoders():
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     root = tmp_path_factory.mktemp("ltx2")
-    family = get_family("ltx2")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="ltx2-debug", dataset="moving_digits", image_size=64, num_frames=9,
-        vae=save_tiny_video_vae(root / "vae"), text_encoder=write_text_encoder("ltx2-debug", root / "text",
-                                                                               "moving_digits"), outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("ltx2-debug", root, save_tiny_video_vae(root / "vae"), image_size=64, num_frames=9)
 
 
 def test_prompts_are_the_pipelines_gemma_states_through_its_connectors(parts):

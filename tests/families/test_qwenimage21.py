@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 CAPTIONS = ["a handwritten one", "the digit twenty two"]
 
@@ -28,16 +29,8 @@ def save_tiny_vae(folder) -> str:
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     root = tmp_path_factory.mktemp("qwenimage21")
-    family = get_family("qwenimage21")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="qwen-image-2.1-debug", dataset="captioned_digits", image_size=64, vae=save_tiny_vae(root / "vae"),
-        text_encoder=write_text_encoder("qwen-image-2.1-debug", root / "text"), outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("qwen-image-2.1-debug", root, save_tiny_vae(root / "vae"), image_size=64)
 
 
 def their_pipeline(enc, model=None, scheduler=None):

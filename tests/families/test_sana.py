@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import debug_parts
 
 CAPTIONS = ["a handwritten one", "the digit twenty two"]
 
@@ -26,16 +27,8 @@ def save_tiny_dc_ae(folder) -> str:
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from opendit.families import get_family
-    from opendit.families.wrapped.tiny_text import write_text_encoder
     root = tmp_path_factory.mktemp("sana")
-    family = get_family("sana")
-    cfg = family.resolve_config(cfglib.TrainConfig(
-        model="sana-debug", dataset="captioned_digits", image_size=32, vae=save_tiny_dc_ae(root / "vae"),
-        text_encoder=write_text_encoder("sana-debug", root / "gemma2"), outputs="unused"))
-    encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
-    torch.manual_seed(0)
-    return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+    return debug_parts("sana-debug", root, save_tiny_dc_ae(root / "vae"), image_size=32)
 
 
 def _pipeline(enc, model, scheduler=None):
