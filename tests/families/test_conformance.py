@@ -134,12 +134,12 @@ def test_the_flop_count_follows_torchs_counter(text_encoders, family):
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.05), family
 
 
-def _cached_families() -> list[str]:
+def cached_families() -> list[str]:
     from tests.families.tiny_vaes import VAE_WRITERS
     return [f for f in DEBUG if not is_video(FAMILIES[f]) and FAMILIES[f].glue.vae_class in VAE_WRITERS]
 
 
-@pytest.mark.parametrize("family", _cached_families())
+@pytest.mark.parametrize("family", cached_families())
 def test_a_latent_cache_trains_like_encoding_on_the_fly(tmp_path, text_encoders, family, one_thread):
     """preprocess.py stores each image's posterior and its caption's conditions (the pipeline's own encoding); a run
     on the cache loads no text encoder and gives the losses of encoding on the fly (a tiny VAE of the family's
