@@ -21,3 +21,23 @@ def debug_parts(model: str, root, vae: str = "none", image_size: int = 16, **opt
     encoders = family.load_encoders(cfg, torch.device("cpu"), training=True)
     torch.manual_seed(0)
     return family, cfg, encoders, family.build_model(cfg, family.latent_shape(cfg, encoders)).eval()
+
+
+def assert_official_file_loads(family, model, official_layout, path) -> None:
+    """The model's weights written in the release's single-file layout (`official_layout`: state dict -> that
+    layout) are recognised as the family's and load back as the model's own, every tensor."""
+    from safetensors.torch import save_file
+    save_file(official_layout(model.state_dict()), path)
+    assert family.recognize_checkpoint(str(path)) is not None
+    loaded = family.load_weights(str(path))
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def release_converted(family, release: str, official_layout, in_channels: int) -> tuple[dict, dict]:
+    """({key: shape} the converter makes of the registered `release` model's official layout, {key: shape} of the
+    model), the model built on the meta device."""
+    with torch.device("meta"):
+        model = family.models[release].build(in_channels=in_channels)
+    converted = family.glue.convert_official(official_layout(model.state_dict()))
+    return {k: v.shape for k, v in converted.items()}, {k: v.shape for k, v in model.state_dict().items()}

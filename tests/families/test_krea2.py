@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
+from tests.families.parts import assert_official_file_loads, release_converted
 from tests.test_qwenimage_family import save_tiny_qwen_vae
 
 CAPTIONS = ["a handwritten one", "the digit seven seven seven"]  # 3 and 5 words: padded apart
@@ -115,17 +116,7 @@ def official_layout(state: dict) -> dict:
 
 
 def test_the_official_single_file_converts_onto_the_registered_models(tmp_path, qwen3vl, one_thread):
-    from safetensors.torch import save_file
     family, _, _, model = _parts(qwen3vl, "none")
-    path = tmp_path / "krea2.safetensors"
-    save_file(official_layout(model.state_dict()), path)
-    assert family.recognize_checkpoint(str(path)) is not None
-    loaded = family.load_weights(str(path))
-    assert loaded.keys() == model.state_dict().keys()
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-
-    with torch.device("meta"):
-        release = family.models["krea2"].build(in_channels=64)
-    shapes = {k: v.shape for k, v in release.state_dict().items()}
-    converted = family.glue.convert_official(official_layout(release.state_dict()))
-    assert {k: v.shape for k, v in converted.items()} == shapes
+    assert_official_file_loads(family, model, official_layout, tmp_path / "krea2.safetensors")
+    converted, shapes = release_converted(family, "krea2", official_layout, in_channels=64)
+    assert converted == shapes

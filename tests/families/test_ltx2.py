@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.families.parts import debug_parts
+from tests.families.parts import assert_official_file_loads, debug_parts, release_converted
 
 CAPTIONS = ["the digit 7 moving left", "the digit 3"]
 
@@ -201,18 +201,7 @@ def official_layout(state: dict) -> dict:
 
 
 def test_the_official_single_file_converts_onto_the_registered_models(tmp_path, parts):
-    from safetensors.torch import save_file
     family, _, _, model = parts
-    path = tmp_path / "ltx2.safetensors"
-    save_file(official_layout(model.state_dict()), path)
-    assert family.recognize_checkpoint(str(path)) is not None
-    loaded = family.load_weights(str(path))
-    assert loaded.keys() == model.state_dict().keys()
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-
-    with torch.device("meta"):
-        release = family.models["ltx2-19b"].build(in_channels=128)
-    shapes = {k: v.shape for k, v in release.state_dict().items()}
-    converted = family.glue.convert_official(official_layout(release.state_dict()))
-    assert {k: v.shape for k, v in converted.items()} == shapes
-    assert sum(v.numel() for v in converted.values()) == 18_876_174_592
+    assert_official_file_loads(family, model, official_layout, tmp_path / "ltx2.safetensors")
+    converted, shapes = release_converted(family, "ltx2-19b", official_layout, in_channels=128)
+    assert converted == shapes and sum(s.numel() for s in shapes.values()) == 18_876_174_592

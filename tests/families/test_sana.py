@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.families.parts import debug_parts
+from tests.families.parts import assert_official_file_loads, debug_parts, release_converted
 
 CAPTIONS = ["a handwritten one", "the digit twenty two"]
 
@@ -128,17 +128,10 @@ def official_layout(state: dict, sample_size: int, max_sequence_length: int = 30
 
 
 def test_the_official_single_file_converts_onto_the_registered_models(tmp_path, parts):
-    from safetensors.torch import save_file
     family, cfg, _, model = parts
-    path = tmp_path / "sana.safetensors"
-    save_file(official_layout(model.state_dict(), model.config.sample_size), path)
-    assert family.recognize_checkpoint(str(path)) is not None
-    loaded = family.load_weights(str(path))
-    assert loaded.keys() == model.state_dict().keys()
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-
-    with torch.device("meta"):
-        release = family.models["sana-1.6b-1024"].build(in_channels=32)
-    shapes = {k: v.shape for k, v in release.state_dict().items()}
-    converted = family.glue.convert_official(official_layout(release.state_dict(), release.config.sample_size))
-    assert {k: v.shape for k, v in converted.items()} == shapes
+    assert_official_file_loads(family, model, lambda state: official_layout(state, model.config.sample_size),
+                               tmp_path / "sana.safetensors")
+    release_size = family.models["sana-1.6b-1024"].arch["sample_size"]
+    converted, shapes = release_converted(family, "sana-1.6b-1024", lambda state: official_layout(state, release_size),
+                                          in_channels=32)
+    assert converted == shapes

@@ -82,26 +82,33 @@ def _umt5(folder, words):
     return save_tiny_umt5(folder, max_length=16)
 
 
+def _qwen3vl_config(tokenizer, layers: int, **vision_options):
+    """A Qwen3-VL 16 wide and `layers` deep over `tokenizer`'s words, with a one-block vision tower (and its
+    `vision_options`)."""
+    from transformers import Qwen3VLConfig
+    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True},
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                  deepstack_visual_indexes=[], **vision_options)
+    return Qwen3VLConfig(text_config=text, vision_config=vision)
+
+
 def _qwen3vl(folder, words):
     """krea2-debug's and ideogram4-debug's text encoder: a tiny random Qwen3VLModel 36 layers deep, as Qwen3-VL-4B
     and -8B are (Krea 2's pipeline taps the hidden states of layers 2, 5, ..., 35; Ideogram 4's 0, 3, ..., 33, 35),
     16 wide, with a one-block vision tower no prompt reaches, and a word-level chat tokenizer over `words`
     (Qwen-Image's system template in 34 tokens, as Qwen's tokenizer splits it)."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLModel
 
     from opendit.encoders.word_tokenizer import chat_word_tokenizer
 
     tokenizer = chat_word_tokenizer(words, 64)
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=36,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True},
-                pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                  deepstack_visual_indexes=[])
     torch.manual_seed(0)
-    Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).save_pretrained(folder)
+    Qwen3VLModel(_qwen3vl_config(tokenizer, layers=36)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -171,20 +178,13 @@ def _qwen3vl_processor(folder, words):
     and its .tokenizer): a LlavaProcessor over a word-level chat tokenizer of `words` stands in for Qwen3-VL's, whose
     video processor needs torchvision."""
     import torch
-    from transformers import CLIPImageProcessorPil, LlavaProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import CLIPImageProcessorPil, LlavaProcessor, Qwen3VLForConditionalGeneration
 
     from opendit.encoders.word_tokenizer import CHAT_TEMPLATE, chat_word_tokenizer
 
     tokenizer = chat_word_tokenizer(words, 64)
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True},
-                pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                  deepstack_visual_indexes=[])
     torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision)).save_pretrained(folder)
+    Qwen3VLForConditionalGeneration(_qwen3vl_config(tokenizer, layers=3)).save_pretrained(folder)
     LlavaProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer,
                    chat_template=CHAT_TEMPLATE).save_pretrained(folder)
     return str(folder)
@@ -216,7 +216,7 @@ def _qwen_image21(folder, words):
     image processor) stands in for Qwen3-VL's, whose video processor needs torchvision: for text the pipeline asks
     the same of both (the chat template, the tokenizer, tokenizing with left padding)."""
     import torch
-    from transformers import LlavaProcessor, Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import LlavaProcessor, Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
 
     from opendit.encoders.word_tokenizer import chat_word_tokenizer
 
@@ -226,15 +226,10 @@ def _qwen_image21(folder, words):
     turns = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
              "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}<|im_end|>\n"
              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True},
-                pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[])
     torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision)).save_pretrained(folder)
+    Qwen3VLForConditionalGeneration(_qwen3vl_config(tokenizer, layers=2, patch_size=16, spatial_merge_size=2,
+                                                    temporal_patch_size=2, num_position_embeddings=64)
+                                    ).save_pretrained(folder)
     LlavaProcessor(image_processor=Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2),
                    tokenizer=tokenizer, chat_template=turns, image_token="<|image_pad|>").save_pretrained(folder)
     return str(folder)
