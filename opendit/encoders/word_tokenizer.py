@@ -21,6 +21,22 @@ def t5_word_tokenizer(words, max_length: int = 512):
                                    model_max_length=max_length)
 
 
+def bos_word_tokenizer(words, special: list[str], bos: str, max_length: int = 16, **tokens):
+    """A word-level fast tokenizer over `words` (as t5_word_tokenizer reads them) whose ids start with `special` in
+    its order, `bos` put before every caption and nothing appended (Gemma's and Mistral's conventions); `tokens`: the
+    special tokens' roles (pad_token=..., eos_token=..., unk_token=...) and other PreTrainedTokenizerFast options.
+    Unknown words map to "<unk>"."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(special + sorted({str(w).lower() for w in demo_words(words)} - set(special)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, model_max_length=max_length, **tokens)
+
+
 CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]  # pad (Qwen's), turn markers, unknown
 # a message's content: a string, or a list of {"type": "text", "text": ...} parts (FLUX.2 [dev]'s Mistral format)
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"

@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 
 
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids 0-3
+
+
 def _t5(folder, words):
     from opendit.families.flux.tiny_t5 import save_tiny_t5
     return save_tiny_t5(folder, words, max_length=16)
@@ -118,19 +121,11 @@ def _gemma2(folder, words):
     `words` with Gemma's conventions (<pad> 0, <eos> 1, <bos> 2 put before every prompt, <unk> 3; nothing appended),
     which SanaPipeline pads on the right."""
     import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import Gemma2Config, Gemma2Model, PreTrainedTokenizerFast
+    from transformers import Gemma2Config, Gemma2Model
 
-    from opendit.encoders.tiny_clip import demo_words
-
-    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    vocab = {w: i for i, w in enumerate(special + sorted({str(w).lower() for w in demo_words(words)} - set(special)))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                        unk_token="<unk>", model_max_length=16)
+    from opendit.encoders.word_tokenizer import bos_word_tokenizer
+    tokenizer = bos_word_tokenizer(words, GEMMA_SPECIAL, "<bos>", pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
     config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
                           max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -146,20 +141,11 @@ def _ministral3(folder, words):
     `words` that starts every prompt with <s> (ERNIE-Image's pipeline tokenizes a prompt alone, with special tokens
     and no template), truncating at 16 tokens."""
     import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import (Ministral3Config, Mistral3Config, Mistral3Model, PixtralVisionConfig,
-                              PreTrainedTokenizerFast)
+    from transformers import Ministral3Config, Mistral3Config, Mistral3Model, PixtralVisionConfig
 
-    from opendit.encoders.tiny_clip import demo_words
-
-    special = ["<unk>", "<s>", "</s>", "<pad>"]
-    vocab = {w: i for i, w in enumerate(special + sorted({str(w).lower() for w in demo_words(words)} - set(special)))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                        pad_token="<pad>", model_max_length=16)
+    from opendit.encoders.word_tokenizer import bos_word_tokenizer
+    tokenizer = bos_word_tokenizer(words, ["<unk>", "<s>", "</s>", "<pad>"], "<s>", unk_token="<unk>",
+                                   eos_token="</s>", pad_token="<pad>")
     text = Ministral3Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=8, bos_token_id=1, eos_token_id=2,
                             pad_token_id=3)
@@ -243,20 +229,12 @@ def _gemma3_and_connectors(folder, words):
     video and the audio stream, 4 heads of 8, 8 learnable registers, "split" RoPE as the release's)."""
     import torch
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from opendit.encoders.tiny_clip import demo_words
-
+    from opendit.encoders.word_tokenizer import bos_word_tokenizer
     root = Path(folder)
-    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    vocab = {w: i for i, w in enumerate(special + sorted({str(w).lower() for w in demo_words(words)} - set(special)))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                        unk_token="<unk>", model_max_length=16, padding_side="left")
+    tokenizer = bos_word_tokenizer(words, GEMMA_SPECIAL, "<bos>", pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
     text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                 sliding_window=16, pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -283,17 +261,12 @@ WRITERS = {"t5": _t5, "clip+t5": _clip_and_t5, "clip+clip+t5": _clip_clip_and_t5
 
 def write_text_encoder(model: str, folder, words: str = "digits") -> str:
     """The tiny text encoder of the registered debug `model` (its "tiny_text" constant) in `folder`."""
-    from opendit.families import model_spec
+    from opendit.families import all_models, model_spec
     kind = model_spec(model).constants.get("tiny_text")
     if kind is None:
-        with_one = sorted(n for n, s in _all_specs().items() if "tiny_text" in s.constants)
+        with_one = sorted(n for n, s in all_models().items() if "tiny_text" in s.constants)
         raise ValueError(f"{model} has no tiny text encoder; the debug models that do: {', '.join(with_one)}")
     return WRITERS[kind](folder, words)
-
-
-def _all_specs():
-    from opendit.families import all_models
-    return all_models()
 
 
 if __name__ == "__main__":
