@@ -12,8 +12,24 @@ import numpy as np
 import torch
 from PIL import Image
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sample.py's --image reads
 GRID_COLS, GRID_ROWS, GRID_TILES = 16, 32, 256  # at most per row, rows, tiles in grid.png
 LARGE_TILE_PX, LARGE_MAX_PX = 128, 8192  # grid_large.png: tiles upscaled to >= 128 px, sides kept <= 8192 px
+
+
+def image_paths(path: str) -> list[Path]:
+    """sample.py's --image: one image file (every prompt's), or a folder of them (one per prompt, in name order) ->
+    their paths."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"--image {path}: the folder holds no image ({', '.join(IMAGE_SUFFIXES)})")
+        return files
+    if not p.is_file():
+        raise ValueError(f"--image {path}: no such file or folder (give an image, or a folder of them, one per prompt "
+                         f"in name order)")
+    return [p]
 
 
 def to_uint8(x: torch.Tensor) -> np.ndarray:

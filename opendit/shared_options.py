@@ -84,6 +84,9 @@ class TrainData:
                                    f"only, {DIGITS_HELP}; default: all ten")
     caption_extension: str = opt(".txt", "a captioned folder (--dataset captions): the extension of the caption file "
                                          "beside each image, e.g. .caption")
+    control_directory: str | None = opt(None, "editing pairs (--dataset edit_pairs): the folder of control images, "
+                                              "each named as its target (photo.png; photo_0.png, photo_1.png, ... "
+                                              "for several)")
     image_size: int | None = opt(None, "pixels; default: a latent cache's size, else 16. With a VAE a multiple "
                                        "of its downsampling (8) x the patch size", check="positive")
     buckets: str | None = opt(None, BUCKETS_HELP)

@@ -88,7 +88,7 @@ def family_runs(tmp_path_factory):
     """One training step of each family's tiny model (pixel space, 8 px; video 4 frames, Wan 5) -> the outputs root
     holding <family>/<run>; the sampling tests (non-square sizes, step caches) read these checkpoints."""
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
-    from tests.test_flux_family import tiny_text_encoders
+    from tests.families.test_flux import tiny_text_encoders
     from tests.test_train import run_trainer, tiny_cfg
 
     root = tmp_path_factory.mktemp("family_runs")

@@ -3,15 +3,20 @@ the test's own process (one process, world size 1: no interpreter start and impo
 CPU), `run_each(script, [args, ...], nproc)` in ONE torchrun launch of nproc workers that runs each command line in
 turn (sequence parallel, then CFG parallel, ...: the launch and the imports are paid once). Each command line goes
 through the script's own parser, checks and main (as its `__main__` block does); only the process group is kept
-between them. sample_here / sample_each: the same for sample.py. Real processes of the scripts: test_train.py
-(torchrun), test_user_errors.py (what a bad flag prints), test_latents.py (two-process preprocess.py)."""
+between them. sample_here / sample_each: the same for sample.py. `cli(script, *args, nproc=1)`: any script in a
+real process, as a user starts it (under torchrun when nproc > 1); test_train.py, test_user_errors.py (what a bad flag
+prints) and test_latents.py (two-process preprocess.py) start theirs too. `losses_of(run_dir)`: a run's logged
+losses."""
 import functools
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script by torchrun: the repository root on the path for `tests`
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(ROOT))
 
 
 # script -> (its config class in opendit.config, the function its __main__ block runs)
@@ -45,9 +50,25 @@ def run_here(script: str, *args) -> None:
         cleanup()  # the one-process group the script made (preprocess.py leaves it to its __main__ block)
 
 
+def cli(script, *args, nproc=1):
+    """`python SCRIPT ARGS` (`torchrun --nproc_per_node NPROC SCRIPT ARGS` when nproc > 1) in the repository root,
+    one intra-op thread per process; it must succeed (its stderr's tail is the failure's message)."""
+    cmd = [sys.executable, script, *map(str, args)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+         *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def losses_of(run_dir) -> list[float]:
+    """The losses a run folder's log.jsonl holds, one per logged step."""
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]
+
+
 def run_each(script: str, runs, nproc: int = 2):
     """`torchrun --nproc_per_node NPROC SCRIPT ARGS` for each ARGS of runs, all in one launch."""
-    from tests.test_video_family import cli
     return cli("tests/run_each.py", script, json.dumps([[str(a) for a in args] for args in runs]), nproc=nproc)
 
 

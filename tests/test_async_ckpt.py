@@ -110,7 +110,7 @@ def test_a_failed_background_write_is_raised_by_the_next_wait_and_commits_nothin
 
 def test_ckpt_blocking_benchmark_smoke(tmp_path):
     """benchmarks/ckpt_blocking.py on DiT-debug: a sync and an async row, the checkpoints removed after."""
-    from tests.test_video_family import cli
+    from tests.run_each import cli
     out = cli("benchmarks/ckpt_blocking.py", "--model", "DiT-debug", "--saves", "1", "--out", tmp_path / "ckpt")
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| sync", "| async"))]
     assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows), out.stdout

@@ -83,7 +83,7 @@ def test_captioned_photos_train_from_the_command_line_and_sample_non_square(tmp_
     """The issue's acceptance: FLUX (and the diffusers-transformer models) on a folder of portrait, landscape and
     square captioned photos, then a 32x16 sample."""
     from opendit.families.wrapped.flux2 import save_tiny_qwen3
-    from tests.test_flux_family import tiny_text_encoders
+    from tests.families.test_flux import tiny_text_encoders
 
     if model == "flux-debug":
         t5, clip = tiny_text_encoders(tmp_path / "encoders", words="all")
@@ -154,7 +154,7 @@ def test_video_buckets_by_shape_and_frame_count(tmp_path):
         assert bucket.frames == (4 if frames >= 4 else 2)
         assert clip.shape == (3, bucket.frames, bucket.height, bucket.width)
         assert (bucket.width > bucket.height) == (label == 0) and (bucket.width < bucket.height) == (label == 1)
-    from tests.test_video_family import video_cfg
+    from tests.families.test_video import video_cfg
 
     cfg = video_cfg(tmp_path / "run", dataset="video_csv", data_path=str(tmp_path / "videos.csv"), image_size=16,
                     num_frames=2, buckets="32x16,16x32,24x24", bucket_frames=[4, 2], batch_size=2, max_steps=3)

@@ -17,7 +17,7 @@ from opendit import config as cfglib
 from opendit.parallel import validate_cfg_parallel
 from tests.distributed import run_distributed
 from tests.run_each import sample_each, sample_here
-from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.families.test_flux import flux_cfg, tiny_text_encoders
 from tests.test_train import ROOT, run_trainer, tiny_cfg
 
 
@@ -184,7 +184,7 @@ def test_flux_cfg_parallel_samples_equal_one_process(tmp_path):
 @pytest.mark.slow
 def test_wan_cfg_parallel_samples_equal_one_process(tmp_path):
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
-    from tests.test_wan_family import wan_cfg
+    from tests.families.test_wan import wan_cfg
 
     run_trainer(wan_cfg(tmp_path, save_tiny_umt5(tmp_path / "umt5", max_length=16), max_steps=1))
     common = ["--ckpt", "latest", "--outputs", tmp_path, "--prompts", "the digit 1 moving up", "--num_samples", "3",

@@ -12,12 +12,11 @@ import yaml
 from safetensors.torch import load_file
 
 from opendit import config as cfglib
-from tests.run_each import run_here
+from tests.run_each import losses_of, run_here
 from opendit.families import FAMILIES
 from tests.families.test_conformance import cached_families
 from tests.families.tiny_vaes import VAE_WRITERS
 from tests.test_streaming_families import TABLE
-from tests.test_video_family import losses_of
 
 
 def _sd_vae(root, channels=4):

@@ -169,7 +169,7 @@ def test_prior_images_from_the_base_train_as_a_prior_dataset(tmp_path):
     """python -m opendit.prior writes a captioned folder sampled from a text model; a dataset config marks it prior
     beside the new data."""
     from opendit.prior import main as prior_main
-    from tests.test_flux_family import flux_cfg, tiny_text_encoders
+    from tests.families.test_flux import flux_cfg, tiny_text_encoders
 
     encoders = tiny_text_encoders(tmp_path / "enc")
     base, _ = run_trainer(flux_cfg(tmp_path / "base", encoders, max_steps=2, digits="0-4"))
@@ -200,7 +200,7 @@ def test_a_captioned_folder_with_its_own_caption_extension(tmp_path):
     files the run ignores; the trigger goes first."""
     from PIL import Image
 
-    from tests.test_flux_family import flux_cfg, tiny_text_encoders
+    from tests.families.test_flux import flux_cfg, tiny_text_encoders
 
     folder = tmp_path / "photos"
     folder.mkdir()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.families.test_flux import flux_cfg, tiny_text_encoders
 
 
 @pytest.fixture(scope="module")

@@ -101,5 +101,5 @@ def test_a_qwen3_text_encoder_for_dev_is_named(tmp_path):
     from opendit.families.wrapped.flux2 import save_tiny_qwen3
     qwen = save_tiny_qwen3(tmp_path / "qwen3")
     with pytest.raises(ValueError, match="a Qwen3ForCausalLM, not the Mistral3 model flux2-dev-debug is conditioned "
-                                         "by .*--encoder mistral3"):
+                                         "by .*tiny_text flux2-dev-debug DIR"):
         get_family("flux2").glue.text_encoder(qwen, "cpu", torch.float32, "flux2-dev-debug")

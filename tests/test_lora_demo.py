@@ -10,10 +10,10 @@ from opendit import config as cfglib
 from opendit.data import CaptionedDigitsDataset, DigitsDataset
 from opendit.data.captions import DIGIT_WORDS
 from opendit.data.digits import parse_digits
-from tests.test_flux_family import encoders, flux_cfg  # noqa: F401  (encoders: a module fixture)
+from tests.families.test_flux import encoders, flux_cfg  # noqa: F401  (encoders: a module fixture)
 from tests.test_quality_benchmarks import result_of
 from tests.test_train import run_trainer
-from tests.test_video_family import cli
+from tests.run_each import cli
 
 
 def test_parse_digits():

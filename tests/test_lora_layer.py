@@ -10,7 +10,7 @@ from opendit.families import FAMILIES
 from opendit.lora import (Adapter, LoRALinear, add_lora, attach_adapters, cast_frozen_linears, linear_names,
                           lora_modules, merge_adapters, trained_adapters)
 from opendit.models.layers import linear_weight
-from tests.test_video_family import cli
+from tests.run_each import cli
 from tests.test_flux_model import flux_inputs, tiny_flux
 
 

@@ -16,7 +16,7 @@ from opendit import config as cfglib
 from opendit.checkpoint import export_weights, load_weights
 from opendit.ema import clean_fqn
 from tests.distributed import run_distributed
-from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.families.test_flux import flux_cfg, tiny_text_encoders
 from tests.test_train import run_trainer, tiny_cfg
 
 RANK, LR = 4, 1e-2

@@ -85,7 +85,7 @@ def test_every_family_model_meets_the_contract(name, tmp_path):
     from opendit.booster.parallelize import iter_blocks
     from opendit.families.wan.tiny_umt5 import save_tiny_umt5
     from opendit.families.wrapped.tiny_text import write_text_encoder
-    from tests.test_flux_family import tiny_text_encoders
+    from tests.families.test_flux import tiny_text_encoders
 
     family = FAMILIES[name]
     t5, clip = tiny_text_encoders(tmp_path, words="all")

@@ -148,7 +148,7 @@ def test_video_preview_writes_strips_a_gif_and_an_mp4(tmp_path, one_thread):
 
 @pytest.fixture(scope="module")
 def text_encoders(tmp_path_factory):
-    from tests.test_flux_family import tiny_text_encoders
+    from tests.families.test_flux import tiny_text_encoders
 
     return tiny_text_encoders(tmp_path_factory.mktemp("preview_encoders"), words="all")
 

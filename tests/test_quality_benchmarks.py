@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tests.test_video_family import cli
+from tests.run_each import cli
 
 
 def result_of(out) -> dict:
@@ -52,3 +52,29 @@ def test_digits_quality_curve_smoke(tmp_path):
     assert [c["steps"] for c in result["checkpoints"]] == [2, 4] and result["samples"] == 10
     assert all(0 <= c["generated_class_accuracy"] <= 1 for c in result["checkpoints"])
     assert "| 4 |" in out.stdout
+
+
+@pytest.mark.slow
+def test_edit_quality_smoke(tmp_path):
+    out = cli("benchmarks/edit_quality.py", "--max_steps", "2", "--batch_size", "8", "--samples_per_edit", "2",
+              "--sampling_steps", "2", "--outputs", tmp_path)
+    result = result_of(out)
+    assert result["edits_each"] == 2 and set(result["edits"]) == {"the next digit", "mirror it",
+                                                                  "rotate it a quarter turn",
+                                                                  "make the strokes thicker"}
+    assert all(0 <= v <= 1 for row in result["edits"].values() for v in row.values())
+
+
+def test_edit_scores_take_an_exact_edit_as_within_and_kept_and_an_unedited_input_as_neither():
+    import numpy as np
+
+    from benchmarks.edit_quality import edit_scores
+    from opendit.data.edit_pairs import EditDigitsDataset
+    data = EditDigitsDataset(16, split="held_out")
+    inputs = np.stack([np.asarray(data._pixels(i, -1)) for i in range(8)])
+    mirrored = np.stack([np.asarray(data._pixels(i, 1)) for i in range(8)])
+    assert edit_scores(mirrored, inputs, mirrored) == dict(within=1.0, unedited_within=edit_scores(
+        inputs, inputs, mirrored)["within"], kept=1.0)
+    assert edit_scores(inputs, inputs, mirrored)["within"] < 0.5
+    assert edit_scores(np.full_like(inputs, 255), inputs, mirrored) == dict(within=0.0, unedited_within=edit_scores(
+        inputs, inputs, mirrored)["within"], kept=0.0)

@@ -41,7 +41,7 @@ def test_sample_accel_image_to_video_smoke(tmp_path, one_thread):
 
 def test_flux_cache_sampling_smoke(tmp_path):
     """benchmarks/flux_cache_sampling.py (gpu_check.sh's flux-dev row) on flux-debug on the CPU."""
-    from tests.test_video_family import cli
+    from tests.run_each import cli
     out = tmp_path / "flux_cache.md"
     cli("benchmarks/flux_cache_sampling.py", "--model", "flux-debug", "--image_size", "64", "--device", "cpu",
         "--steps", "6", "--out", out)

@@ -18,7 +18,7 @@ from opendit.data import CaptionedDigitsDataset, ResumableDistributedSampler, bu
 from opendit.data.shards import write
 from opendit.data.stream_order import stream_order
 from opendit.data.streaming import StreamDataset
-from tests.test_flux_family import flux_cfg, tiny_text_encoders
+from tests.families.test_flux import flux_cfg, tiny_text_encoders
 from tests.test_train import run_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -352,9 +352,8 @@ def test_a_streamed_cache_of_a_stream_trains_like_the_stream_on_the_fly(tmp_path
     """preprocess.py from tar shards into a tar-shard cache (same shard size: the same stream order); FLUX trains on
     the cache as on the raw stream encoded on the fly (same samples per step, equal losses up to the encoders' float
     rounding), without loading an encoder."""
-    from tests.run_each import run_here
+    from tests.run_each import losses_of, run_here
     from tests.test_train import save_tiny_vae
-    from tests.test_video_family import losses_of
 
     t5, clip = encoders
     vae = save_tiny_vae(tmp_path / "vae", latent_channels=16)

@@ -14,7 +14,7 @@ from tests.test_train import run_trainer
 
 
 def _flux(root):
-    from tests.test_flux_family import tiny_text_encoders
+    from tests.families.test_flux import tiny_text_encoders
 
     t5, clip = tiny_text_encoders(root)
     return {"t5": t5, "clip": clip}

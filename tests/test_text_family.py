@@ -35,7 +35,7 @@ def losses(run_dir, kind: str = "train") -> list[tuple[int, float]]:
 
 
 def test_its_option_and_dataset_join_the_flags():
-    text = cfglib.build_parser(cfglib.TrainConfig, None).format_help()
+    text = " ".join(cfglib.build_parser(cfglib.TrainConfig, None).format_help().split())  # argparse's wrapping undone
     assert "shapes family options:" in text and "--word_dim" in text and "shapes: built in: 8x8 grey bars" in text
     family = tests.text_family.ShapesFamily()
     assert family.resolve_config(cfglib.TrainConfig(model="Shapes-S", dataset="shapes")).word_dim == 16

@@ -192,7 +192,7 @@ def test_sample_py_parallel_decode_writes_what_each_rank_decoding_all_does(tmp_p
     """Two sequence-parallel ranks share one Wan clip; --parallel_decode splits its 9 tiles between them."""
     from opendit.families.wan.vae import save_tiny_wan_vae
     from tests.run_each import sample_each
-    from tests.test_wan_family import tiny_wan_pipeline
+    from tests.families.test_wan import tiny_wan_pipeline
 
     pipe, _ = tiny_wan_pipeline(tmp_path / "pipe", tmp_path / "umt5", save_tiny_wan_vae(tmp_path / "vae"))
     common = ["--ckpt", pipe, "--prompts", "the digit 1 moving down", "--num_frames", "5", "--height", "64",

@@ -120,8 +120,8 @@ def test_two_ranks_score_the_same_validation_loss_as_one(tmp_path):
 def test_video_and_flux_report_a_fixed_validation_loss(tmp_path, family):
     """The other families' objectives take fixed noise levels and noise too: the number depends on the weights
     only, and FLUX scores the captions without text dropout."""
-    from tests.test_flux_family import flux_cfg, tiny_text_encoders
-    from tests.test_video_family import video_cfg
+    from tests.families.test_flux import flux_cfg, tiny_text_encoders
+    from tests.families.test_video import video_cfg
 
     common = dict(max_steps=2, val_every=1, val_samples=8)
     if family == "video":

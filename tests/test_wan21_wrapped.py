@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opendit import config as cfglib
-from tests.test_wan_family import wan_cfg
+from tests.families.test_wan import wan_cfg
 
 
 @pytest.fixture(scope="module")

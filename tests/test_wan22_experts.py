@@ -20,9 +20,8 @@ from opendit.families.wan.family import Experts, WanFamily, expert_folders
 from opendit.families.wan.model import WAN22_CONFIGS, WanModel
 from opendit.families.wan.objective import WanEncoders
 from opendit.diffusion.flow import shift_times
-from tests.run_each import run_here
+from tests.run_each import cli, run_here
 from tests.test_train import ROOT
-from tests.test_video_family import cli
 
 MODEL = "Wan2.2-I2V-debug"  # TI2V-sized at CPU scale, I2V's 36 input channels, the I2V release's boundary 0.9
 

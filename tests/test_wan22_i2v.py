@@ -16,7 +16,7 @@ from opendit.families.wan.first_frame import (condition_video, i2v_inputs, load_
                                               with_first_frame)
 from tests.run_each import run_here
 from tests.test_train import ROOT
-from tests.test_video_family import write_csv_videos
+from tests.families.test_video import write_csv_videos
 
 
 def official_i2v_mask(frames: int, lat_h: int, lat_w: int) -> torch.Tensor:

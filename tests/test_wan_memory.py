@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.test_video_family import cli
+from tests.run_each import cli
 
 PARTS = 8  # weights, in flight, grads, states, master, activations, text encoder, VAE
 

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from opendit import config as cfglib
-from tests.run_each import run_here
+from tests.run_each import losses_of, run_here
 from tests.test_flux2_family import save_tiny_flux2_vae
 from tests.test_qwenimage_family import save_tiny_qwen_vae
 from tests.test_train import run_trainer
-from tests.test_video_family import losses_of
 
 
 def _encoder(model, folder):

@@ -26,6 +26,7 @@ import typing
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from opendit.config_files import fits, nearest, read_file, type_name
@@ -36,7 +37,7 @@ from opendit.seeding import mix_seed
 # the run's settings a dataset may set for itself (those of them its config class has)
 DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval",
                  "caption_extension", "image_key", "caption_key", "label_key", "hf_args", "min_image_size",
-                 "max_aspect", "min_caption_chars", "max_caption_chars", "crop")
+                 "max_aspect", "min_caption_chars", "max_caption_chars", "crop", "control_directory")
 CAPTION_OPTIONS = {"trigger": str, "shuffle_tags": bool, "keep_tags": int, "caption_dropout": float}
 ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, "prior": bool, **CAPTION_OPTIONS}
 
@@ -128,6 +129,9 @@ def read_dataset_config(path, cfg, kinds) -> list[DatasetEntry]:
                                     captions, weight))
     if len({kinds[e.settings["dataset"]].cache for e in entries}) > 1:
         raise ValueError(f"{path}: latent caches and raw data in one run; cache every dataset (preprocess.py) or none")
+    if len({kinds[e.settings["dataset"]].pairs for e in entries}) > 1:
+        raise ValueError(f"{path}: editing pairs and single images in one run; a batch holds one kind (list the "
+                         f"pairs in a dataset config of their own)")
     return entries
 
 
@@ -138,6 +142,11 @@ def to_channels(x, channels: int):
     if channels == 1:
         return (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2]).unsqueeze(0)
     return x.expand(channels, *x.shape[1:]).clone()
+
+
+def _controls_to(x, channels: int):
+    """An editing pair's controls [K, C, H, W] in `channels` (to_channels each); anything else as it is."""
+    return torch.stack([to_channels(c, channels) for c in x]) if isinstance(x, torch.Tensor) and x.ndim == 4 else x
 
 
 class MixedDataset(Dataset):
@@ -179,10 +188,10 @@ class MixedDataset(Dataset):
         k, j = self.locate(index)
         item = self.parts[k][j]
         if self.channels is not None and getattr(self.parts[k], "channels", None) not in (None, self.channels):
-            item = (to_channels(item[0], self.channels), *item[1:])
+            item = (to_channels(item[0], self.channels), *(_controls_to(x, self.channels) for x in item[1:]))
         options = self.entries[k].captions
-        if options and isinstance(item, tuple) and len(item) > 1 and isinstance(item[1], str):
-            item = (item[0], options.apply(item[1], mix_seed(self.seed, self.epoch, index)), *item[2:])
+        if options and isinstance(item, tuple) and len(item) > 1 and isinstance(item[-1], str):  # its caption
+            item = (*item[:-1], options.apply(item[-1], mix_seed(self.seed, self.epoch, index)))
         return item
 
     @property

@@ -22,7 +22,8 @@ class DatasetSpec:
     the grey digits), what a pixel-space model sees. settings: names of the run's options its build takes as
     keyword arguments as they are (e.g. caption_extension). pattern: the path may be a pattern or a URL (sharded
     streams), which the dataset checks itself when built, rather than a file that must exist. probe(data_path, cfg)
-    -> the data's own channels where they vary with the data (a stream's first image: 1 for grey, else 3)."""
+    -> the data's own channels where they vary with the data (a stream's first image: 1 for grey, else 3). pairs:
+    editing pairs, items (target, controls [K, C, H, W], instruction), for a model that takes reference images."""
     name: str
     help: str
     build: Callable[..., Dataset]
@@ -33,6 +34,7 @@ class DatasetSpec:
     settings: tuple[str, ...] = ()
     pattern: bool = False
     probe: Callable[..., int] | None = None
+    pairs: bool = False
 
     def data_channels(self, data_path, cfg) -> int:
         """The channels a pixel-space model sees of this data: probed where the spec can, else `channels`."""

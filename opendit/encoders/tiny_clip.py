@@ -10,19 +10,22 @@ import argparse
 import torch
 
 from opendit.data.captions import DIGIT_CAPTION_WORDS
+from opendit.data.edit_pairs import EDITS
 
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 # the words of the moving-digits captions ("the digit 3 moving up and left"), so the demo's tokens are all known
 DEMO_WORDS = ["the", "digit", "moving", "up", "down", "left", "right", "and", *map(str, range(10))]
-WORD_SETS = ("moving_digits", "digits", "all")  # the demos' vocabularies by name (see demo_words)
+WORD_SETS = ("moving_digits", "digits", "edit_digits", "all")  # the demos' vocabularies by name (see demo_words)
 
 
 def demo_words(words) -> list[str]:
     """A vocabulary: a list of words as it is, or a demo's by name: "moving_digits" (DEMO_WORDS), "digits" (the
-    captioned digits', opendit.data.captions.DIGIT_CAPTION_WORDS) or "all" (both)."""
+    captioned digits', opendit.data.captions.DIGIT_CAPTION_WORDS), "edit_digits" (the editing demo's instructions)
+    or "all" (the first two)."""
     if not isinstance(words, str):
         return list(words)
     named = {"moving_digits": DEMO_WORDS, "digits": list(DIGIT_CAPTION_WORDS),
+             "edit_digits": sorted({w for edit in EDITS for w in edit.split()}),
              "all": [*DEMO_WORDS, *DIGIT_CAPTION_WORDS]}
     if words not in named:
         raise ValueError(f"unknown word set {words!r}; valid names: {', '.join(WORD_SETS)} (or pass a list of words)")

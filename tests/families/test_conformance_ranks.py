@@ -28,7 +28,8 @@ def losses(tmp_path_factory):
     root, configs, names, found = tmp_path_factory.mktemp("ranks"), [], [], {f: {} for f in DEBUG}
     for family in DEBUG:
         words = "moving_digits" if "moving_digits" in FAMILIES[family].datasets else "digits"
-        options = run_options(family, write_text_encoder(DEBUG[family], root / family / "text", words))
+        options = run_options(family, dict(text_encoder=write_text_encoder(DEBUG[family], root / family / "text",
+                                                                           words)))
         fam = FAMILIES[family]
         cfg = fam.resolve_config(cfglib.TrainConfig(**options, outputs="unused"))
         torch.manual_seed(0)

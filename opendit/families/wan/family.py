@@ -33,9 +33,10 @@ from opendit.families.base import MemoryProbe, ModelSpec, NegativePromptOption, 
 from opendit.families.clips import ClipCacheOptions, ClipFamily, ClipSampleOptions, ClipTrainOptions
 from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.wan.experts import ExpertPair, Experts, expert_folders
-from opendit.families.wan.first_frame import (condition_kind, condition_video, first_frame_paths, i2v_inputs,
-                                              load_first_frame, ti2v_timesteps, with_first_frame)
+from opendit.families.wan.first_frame import (condition_kind, condition_video, i2v_inputs, load_first_frame,
+                                              ti2v_timesteps, with_first_frame)
 from opendit.families.wan.model import WAN22_CONFIGS, WAN_CONFIGS, WanModel
+from opendit.images import image_paths
 from opendit.families.wan.objective import WanEncoders, WanFlowObjective
 from opendit.families.wan.text import UMT5_SOURCE, load_umt5_encoder, umt5_encoder_dim
 from opendit.families.wan.vae import VAE_PARAMS, load_wan_vae, wan_decode, wan_factors, wan_latent_shape, wan_posterior
@@ -404,7 +405,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
         if kind is None:
             raise ValueError(f"--image {sample_cfg.image}: {cfg.model} is text-to-video only; image-to-video samples "
                              f"{', '.join(n for n in self.models if self.image_condition(n))}")
-        paths = first_frame_paths(sample_cfg.image)
+        paths = image_paths(sample_cfg.image)
         if len(paths) > 1 and len(paths) != len(prompts):
             raise ValueError(f"--image {sample_cfg.image} holds {len(paths)} images for {len(prompts)} prompts: give "
                              f"one image per prompt, or a single image file for all")
@@ -466,7 +467,7 @@ class WanFamily(ClipFamily, LatentImageFamily):
         cfg, vae, kind = loaded.cfg, loaded.encoders.vae, self.image_condition(loaded.cfg.model)
         if sample_cfg.image is None:
             return None
-        paths = first_frame_paths(sample_cfg.image)
+        paths = image_paths(sample_cfg.image)
         height, width = self.sample_size(loaded, sample_cfg)
         channels = 3 if vae is not None else loaded.latent_shape[0]
         images = torch.stack([load_first_frame(paths[i % len(conditions) % len(paths)], height, width, channels)

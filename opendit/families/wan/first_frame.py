@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MASK_CHANNELS = 4  # the official mask: the first pixel frame repeated 4 times, grouped by the VAE's 4x in time
 
 
@@ -55,20 +54,6 @@ def with_first_frame(x: torch.Tensor, first: torch.Tensor, conditioned: torch.Te
     """x [B, C, F', h, w] with latent frame 0 replaced by first [B, C, 1, h, w] where conditioned [B] is True."""
     keep = conditioned.to(x.device)[:, None, None, None, None]
     return torch.cat([torch.where(keep, first.to(x.dtype), x[:, :, :1]), x[:, :, 1:]], 2)
-
-
-def first_frame_paths(path: str) -> list[Path]:
-    """--image: one image file, or a folder of them (sorted by name) -> their paths."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise ValueError(f"--image {path}: the folder holds no image ({', '.join(IMAGE_SUFFIXES)})")
-        return files
-    if not p.is_file():
-        raise ValueError(f"--image {path}: no such file or folder (give a first frame, or a folder of them, one per "
-                         f"prompt in order)")
-    return [p]
 
 
 def load_first_frame(path: Path, height: int, width: int, channels: int = 3) -> torch.Tensor:

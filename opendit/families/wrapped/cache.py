@@ -38,6 +38,10 @@ class CachedConditions:
         """(image [3, H, W] in [-1, 1], label (the digit of the captioned digits, else 0), caption), unflipped."""
         self.latent_shape(cfg, encoders)  # the image size fits the VAE and the patches, else a clear error
         spec = self.dataset_spec(cfg)
+        if spec.pairs:
+            raise ValueError(f"--dataset {cfg.dataset}: a latent cache of editing pairs (the controls' latents beside "
+                             f"the targets') is not written yet; train on the pairs themselves (leave preprocess.py "
+                             f"out)")
         dataset = spec(cfg.data_path, cfg.image_size, channels=3)
         if cfg.buckets:
             self.use_buckets(dataset, cfg, encoders)

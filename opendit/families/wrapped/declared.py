@@ -22,16 +22,17 @@ from opendit.perf import matmul_macs
 
 
 def tokens_to_grid(out: torch.Tensor, shape) -> torch.Tensor:
-    """The usual output: tokens [B, h * w, C] row by row -> [B, C, h, w]."""
+    """The usual output: tokens [B, h * w, C] row by row -> [B, C, h, w] (the first h * w tokens: those after them
+    are the references an editing model was given, as its pipeline drops them)."""
     b, c, h, w = shape
-    return out.transpose(1, 2).reshape(b, c, h, w)
+    return out[:, :h * w].transpose(1, 2).reshape(b, c, h, w)
 
 
 @dataclass(frozen=True)
 class Feed:
     """How one model is fed, each the pipeline's own way:
-    encode(text: glue.TextEncoder, captions, device) -> {condition: [B, ...]} (a mask as bool; padded to the
-      model's max_sequence_length, so that caption dropout can swap any two);
+    encode(text: glue.TextEncoder, captions, device) -> {condition: [B, ...]} (a mask, named mask..., as bool; padded
+      to the model's max_sequence_length, so that caption dropout can swap any two);
     to_model(vae, z) -> what the model denoises, [B, C', h', w'] (z: a VAE posterior sample, or pixels);
     forward(model, x, t, cond) -> the forward's keyword arguments at noise level t [B] in [0, 1];
     call(constants, sample_cfg, cond, negative) -> the pipeline's __call__ arguments beyond latents, steps, size and
@@ -47,18 +48,22 @@ class Feed:
 @dataclass(frozen=True)
 class Streams:
     """Which token stream each Linear of the model runs on, for the FLOP count: regexes over module names, tried in
-    order one (a single row: modulations, time embeddings), joint (text + image), text; the rest run on the image
-    tokens. rows: {regex: model -> its row count} for Linears that run on a count of their own (tried first).
-    attention: {block list: the stream its attention spans; or "list.attr": the blocks of the list whose `attr` is
-    not None (a second attention some blocks have)}, the stream given as f(model, text tokens, image tokens) -> one
-    block's attention MACs where that attention is not softmax attention within one stream (linear, cross);
-    width: the arch keys whose product is the attention's inner width."""
+    order one (a single row: modulations, time embeddings), joint (text + image), text, prompt (the prompt's tokens
+    before the model adds its own to the text stream: `added`); the rest run on the image tokens. rows: {regex:
+    model -> its row count} for Linears that run on a count of their own (tried first). attention: {block list (a
+    module path): the stream its attention spans; or "list.attr": the blocks of the list whose `attr` is not None (a
+    second attention some blocks have)}, the stream given as f(model, text tokens, image tokens) -> one block's
+    attention MACs where that attention is not softmax attention within one stream (linear, cross); width: the arch
+    keys whose product is the attention's inner width; added: model -> tokens the model joins to the prompt's in its
+    text stream (counted in text and joint)."""
     rows: Mapping[str, Callable] = field(default_factory=dict)
     one: str = r"^$"
     joint: str = r"^$"
     text: str = r"^$"
+    prompt: str = r"^$"
     attention: Mapping[str, str | Callable] = field(default_factory=dict)
     width: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
+    added: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -89,13 +94,17 @@ class Declared:
     fps: float | None = None  # a video model's frame rate (its clips' default); None: an image model
     vae: str = "AutoencoderKL"
     vae_kind: str = "kl"  # "kl": a posterior of images; "frame": a video VAE given one frame; "dc": deterministic;
-    # "stated": a posterior of a VAE that states its downsampling (spatial_compression_ratio: LTX-2's patches first)
+    # "stated": a posterior of a VAE that states its downsampling (spatial_compression_ratio: LTX-2's patches first);
+    # "factors": a posterior of clips through a video VAE whose config states its downsampling (scale_factor_spatial,
+    # scale_factor_temporal) and channels (z_dim)
+    vae_repair: Callable | None = None  # vae -> vae, once loaded (what diffusers' autoencoder gets wrong)
     vae_size: tuple[int, float] = (4, 83_653_863)  # (latent channels, parameters) of its usual VAE, for the planner
     vae_downsampling: int = 8  # pixels per latent side of its usual VAE, for the planner
-    patch: int = 2  # latent positions per token side
+    patch: int | Callable = 2  # latent positions per token side, or f(arch) -> that (where the models differ)
     outside_patch: int = 2  # of those, packed before the model (1: the model patches itself)
     packed_latents: bool = True  # the pipeline takes its latents as tokens (else as a grid)
-    cfg_calls: str | None = "pairs"  # how the pipeline guides (opendit.parallel.cfg): "pairs", "batched", None
+    # how the pipeline guides (opendit.parallel.cfg): "pairs", "batched", None; or f(model name) -> that
+    cfg_calls: str | Callable | None = "pairs"
     no_cfg_pair: str = GUIDANCE_DISTILLED  # with cfg_calls None: why --cfg_parallel has no pair of calls to split
     parallel_plan: object = None  # context_parallel.diffusers_plan(...), or None: it cannot be split
     derived: Mapping[str, Callable] = field(default_factory=dict)  # {arch key: f(arch)} the run's channels decide
@@ -110,10 +119,24 @@ class Declared:
     # (pipeline class, {component: object}) -> the pipeline, where it is not built by its constructor (a modular
     # pipeline); what it returns is called as a classic pipeline is (its first output: the images)
     make_pipeline: Callable | None = None
+    # (pipeline class, {text part: object}, constants) -> the pipeline that encodes prompts, where it is not built as
+    # make_pipeline builds it (settings beyond its constructor's)
+    text_pipeline: Callable | None = None
+    # model name -> (a part of its text encoder's class name, that encoder in words): another class is refused
+    text_model: Callable | None = None
+    # {pipeline class: its constructor arguments beyond its components} (each model samples with its constants'
+    # "pipeline", else `pipeline`)
+    pipeline_options: Mapping[str, Mapping] = field(default_factory=dict)
+    # sample options -> more of the sampling pipeline's constructor arguments (a guider holding --cfg_scale)
+    sampling_components: Callable | None = None
     official_key: str | tuple[str, ...] = ""  # key(s) only the release's single file has (all of them), and
     # diffusers' converter of that layout
     official_converter: str = ""
-    kohya_names: Mapping | None = None  # {release name: (diffusers names, ...)} of kohya LoRA files, if not diffusers'
+    # {release name: (diffusers names, ...)} of kohya LoRA files, if not diffusers'; or f(the model's keys) -> that
+    kohya_names: Mapping | Callable | None = None
+    # a model taking reference images (its constants' `references`: how many): (each sample's list of PIL images,
+    # or None, height, width) -> the pipeline's arguments that hand them over
+    reference_call: Callable | None = None
 
 
 class DeclaredGlue(ModelGlue):
@@ -128,7 +151,8 @@ class DeclaredGlue(ModelGlue):
         self.parallel_plan, self.lora_targets, self.recipe = d.parallel_plan, d.lora_targets, d.recipe
         self.patch, self.outside_patch = d.patch, d.outside_patch
         self.official_key, self.official_converter = d.official_key, d.official_converter
-        self.run_keys = ("in_channels", *d.derived)
+        self.run_keys = tuple(dict.fromkeys(("in_channels", *d.derived)))
+        self.pipeline_options = {k: dict(v) for k, v in d.pipeline_options.items()}
         self.models = {n: WrappedSpec(n, d.family, None, dict(s.arch), dict(s.constants)) for n, s in d.models.items()}
 
     def __call__(self, **config) -> nn.Module:
@@ -138,14 +162,18 @@ class DeclaredGlue(ModelGlue):
         model = super().__call__(**config)
         return model if self.d.repair is None else self.d.repair(model)
 
+    def patch_of(self, model: str) -> int:
+        return self.d.patch(self.models[model].arch) if callable(self.d.patch) else self.d.patch
+
     def cfg_calls(self, model):
-        return self.d.cfg_calls
+        return self.d.cfg_calls(model) if callable(self.d.cfg_calls) else self.d.cfg_calls
 
     def no_cfg_pair(self, model) -> str:
         return self.d.no_cfg_pair
 
     def kohya_lora_names(self, keys):
-        return None if self.d.kohya_names is None else dict(self.d.kohya_names)
+        names = self.d.kohya_names
+        return None if names is None else names(keys) if callable(names) else dict(names)
 
     def unused_parameters(self, model):
         if isinstance(self.d.unused, str):
@@ -155,15 +183,25 @@ class DeclaredGlue(ModelGlue):
     # ---- prompts -------------------------------------------------------------------------------------------
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
         """The pipeline's text components from `path` (a pipeline folder, or for one encoder a folder holding it and
-        its tokenizer), held by the pipeline whose encoding code the feed runs."""
-        pipeline = self.pipeline_type(self.pipeline_class)
+        its tokenizer), held by the pipeline (the model's) whose encoding code the feed runs."""
+        pipeline = self.pipeline_type(self.pipeline_name(model))
         parts = {arg: _text_part(path, arg, self.d.text, device, dtype, pipeline) for arg in self.d.text}
         encoder = next(v for k, v in parts.items() if not k.startswith("tokenizer"))
         tokenizer = next(v for k, v in parts.items() if k.startswith("tokenizer"))
         constants = self.models[model].constants
+        if self.d.text_model is not None:
+            self._check_text_model(path, model, type(encoder).__name__)
+        made = (self.d.text_pipeline(pipeline, parts, constants) if self.d.text_pipeline
+                else (self.d.make_pipeline or _construct)(pipeline, parts))
         return TextEncoder(encoder, tokenizer, constants["max_sequence_length"],
-                           tuple(constants.get("text_layers", ())),
-                           pipeline=(self.d.make_pipeline or _construct)(pipeline, parts))
+                           tuple(constants.get("text_layers", ())), pipeline=made)
+
+    def _check_text_model(self, path, model: str, found: str) -> None:
+        part, words = self.d.text_model(model)
+        if part not in found:
+            tiny = self.models[model].constants.get("tiny_text")
+            how = f", or for {model}: python -m opendit.families.wrapped.tiny_text {model} DIR" if tiny else ""
+            raise ValueError(f"--text_encoder {path}: a {found}, not the {words} (its pipeline folder{how})")
 
     def encode_prompts(self, encoder, captions, device) -> dict:
         return self.feed.encode(encoder, list(captions), device)
@@ -171,11 +209,15 @@ class DeclaredGlue(ModelGlue):
     def random_conditions(self, spec, batch, device) -> dict:
         def dim(d):
             return spec.constants["max_sequence_length"] if d == "L" else spec.arch[d] if isinstance(d, str) else d
-        return {name: torch.ones(batch, *map(dim, shape), dtype=torch.bool, device=device) if name == "mask"
+        return {name: torch.ones(batch, *map(dim, shape), dtype=torch.bool, device=device) if name.startswith("mask")
                 else torch.randn(batch, *map(dim, shape), device=device)
                 for name, shape in self.d.conditions.items()}
 
     # ---- latents -------------------------------------------------------------------------------------------
+    def load_vae(self, path, device):
+        vae = super().load_vae(path, device)
+        return vae if self.d.vae_repair is None else self.d.vae_repair(vae)
+
     def vae_geometry(self, vae) -> tuple[int, int]:
         if self.d.vae_kind == "frame" and not hasattr(vae.config, "block_out_channels"):
             return 2 ** len(vae.temperal_downsample), vae.config.z_dim
@@ -183,7 +225,14 @@ class DeclaredGlue(ModelGlue):
             return 2 ** (len(vae.config.encoder_block_out_channels) - 1), vae.config.latent_channels
         if self.d.vae_kind == "stated" and hasattr(vae, "spatial_compression_ratio"):  # not the planner's stand-in
             return vae.spatial_compression_ratio, vae.config.latent_channels
+        if self.d.vae_kind == "factors" and hasattr(vae.config, "scale_factor_spatial"):  # not the planner's stand-in
+            return vae.config.scale_factor_spatial, vae.config.z_dim
         return super().vae_geometry(vae)
+
+    def temporal_downsampling(self, vae) -> int:
+        if self.d.vae_kind == "factors":
+            return getattr(vae.config, "scale_factor_temporal", 1)
+        return super().temporal_downsampling(vae)
 
     def posterior(self, vae, images):
         x = _opaque_alpha(vae, images).to(next(vae.parameters()).dtype)
@@ -208,7 +257,9 @@ class DeclaredGlue(ModelGlue):
     def forward_macs(self, model, txt_tokens, img_tokens) -> int:
         """Each Linear costs its stream's rows (Streams) * in * out; each block's attention 2 * L^2 * width over
         its stream (or what its Streams function counts)."""
-        s, rows = self.d.streams, {"one": 1, "joint": txt_tokens + img_tokens, "text": txt_tokens, "image": img_tokens}
+        s = self.d.streams
+        text = txt_tokens + (s.added(model) if s.added else 0)
+        rows = {"one": 1, "joint": text + img_tokens, "text": text, "prompt": txt_tokens, "image": img_tokens}
 
         own = {pattern: count(model) for pattern, count in s.rows.items()}
 
@@ -216,14 +267,18 @@ class DeclaredGlue(ModelGlue):
             found = next((n for pattern, n in own.items() if re.search(pattern, name)), None)
             if found is not None:
                 return found
-            return rows[next((k for k in ("one", "joint", "text") if re.search(getattr(s, k), name)), "image")]
+            return rows[next((k for k in ("one", "joint", "text", "prompt") if re.search(getattr(s, k), name)),
+                             "image")]
         width = 1
         for key in s.width:
             width *= model.config[key]
 
         def blocks_of(name: str) -> int:  # "list", or "list.attr": those of its blocks whose attr is not None
-            blocks, _, attr = name.partition(".")
-            return sum(not attr or getattr(block, attr) is not None for block in getattr(model, blocks))
+            try:
+                return len(model.get_submodule(name))
+            except AttributeError:
+                blocks, _, attr = name.rpartition(".")
+                return sum(getattr(block, attr) is not None for block in model.get_submodule(blocks))
 
         def block_attention(stream) -> int:  # one block's: softmax over a stream, else the model's own count
             return stream(model, txt_tokens, img_tokens) if callable(stream) else 2 * rows[stream] ** 2 * width
@@ -240,18 +295,24 @@ class DeclaredGlue(ModelGlue):
         from diffusers import FlowMatchEulerDiscreteScheduler
         scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_folder) if scheduler_folder
                      else FlowMatchEulerDiscreteScheduler(**self.scheduler_config))
-        chosen = (self.d.sampling_pipeline() if self.d.sampling_pipeline
-                  else self.pipeline_type(name or self.pipeline_class))
+        name = name or self.pipeline_class
+        chosen = self.d.sampling_pipeline() if self.d.sampling_pipeline else self.pipeline_type(name)
         pipe = (self.d.make_pipeline or _construct)(chosen, dict(scheduler=scheduler, vae=vae, transformer=model,
-                                                                 **components))
+                                                                 **self.pipeline_options.get(name, {}), **components))
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def pipeline_components(self, sample_cfg) -> dict:
+        return {} if self.d.sampling_components is None else self.d.sampling_components(sample_cfg)
 
     def pipeline_latents(self, noise):
         return pack(noise) if self.d.packed_latents else noise
 
     def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
         return self.feed.call(self.models[loaded.cfg.model].constants, sample_cfg, cond, negative)
+
+    def reference_call(self, references, height: int, width: int) -> dict:
+        return self.d.reference_call(references, height, width)
 
 
 def _opaque_alpha(vae, images: torch.Tensor) -> torch.Tensor:
@@ -277,8 +338,10 @@ def _text_part(path: str, arg: str, text: Mapping[str, str], device, dtype, pipe
     import transformers
     tokenizer, sub = arg.startswith("tokenizer"), text[arg]
     marker = "tokenizer_config.json" if tokenizer else "config.json"
-    if len(text) == 2:  # one encoder: a folder holding it and its tokenizer, or a pipeline folder
-        folder = find_folder(path, (sub,), "tokenizer" if tokenizer else "text encoder", "--text_encoder", marker)
+    if len(text) == 2:  # one encoder: a folder holding it and its tokenizer, or a pipeline folder (its tokenizer in
+        # its own subfolder or beside the encoder)
+        subs = (sub, *(s for a, s in text.items() if not a.startswith("tokenizer"))) if tokenizer else (sub,)
+        folder = find_folder(path, subs, "tokenizer" if tokenizer else "text encoder", "--text_encoder", marker)
     else:
         folder = Path(path) / sub
         if not (folder / marker).is_file():

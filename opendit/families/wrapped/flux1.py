@@ -9,6 +9,12 @@ tokens with the pipeline's position ids. Training follows diffusers' FLUX DreamB
 noise - x, plain MSE; the dev models' guidance embedding is given TRAIN_GUIDANCE (the native family's --guidance
 default). Sampling: the pipeline with the release's embedded guidance (constants "sample_guidance"), --cfg_scale its
 true_cfg_scale (1: off). Sequence parallelism: diffusers' own context-parallel plan (Ulysses).
+
+FLUX.1 Kontext (the kontext models) edits: it trains on editing pairs as diffusers' Kontext LoRA example
+(train_dreambooth_lora_flux_kontext.py, its image-to-image mode) does: the control encoded as FluxKontextPipeline
+encodes its reference image (the posterior's mode, (z - shift) * scale, packed), appended to the noisy target's tokens
+with position ids whose first coordinate is 1, the loss on the target's tokens only; it samples through
+FluxKontextPipeline with the reference at the sample size (sample.py --image).
 """
 import torch
 
@@ -24,6 +30,7 @@ FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=
 FLUX1_DEBUG = dict(FLUX1_DEV, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 TRAIN_GUIDANCE = 1.0
+KONTEXT = dict(pipeline="FluxKontextPipeline", references=1, sample_guidance=2.5, cfg_scale=1.0)
 # FLUX.1-dev's scheduler (resolution-dependent shift)
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                  base_image_seq_len=256, max_image_seq_len=4096)
@@ -44,14 +51,28 @@ def to_model(vae, z):
 
 
 def forward(model, x, t, cond) -> dict:
+    """The pipeline's arguments; an editing pair's reference (Kontext) appended to the image tokens without noise,
+    its position ids those of a latent grid with the first coordinate 1 (FluxKontextPipeline.prepare_latents)."""
+    from diffusers import FluxPipeline
     b, _, h, w = x.shape
     guidance = torch.full((b,), TRAIN_GUIDANCE, device=x.device) if unwrap_model(model).config.guidance_embeds \
         else None
-    from diffusers import FluxPipeline
-    return dict(hidden_states=pack(x), encoder_hidden_states=cond["embeds"], pooled_projections=cond["pooled"],
-                timestep=t, img_ids=FluxPipeline._prepare_latent_image_ids(b, h, w, x.device, x.dtype),
-                txt_ids=torch.zeros(cond["embeds"].shape[1], 3, device=x.device, dtype=x.dtype), guidance=guidance,
-                return_dict=False)
+    tokens, ids = pack(x), FluxPipeline._prepare_latent_image_ids(b, h, w, x.device, x.dtype)
+    if "references" in cond:
+        reference = cond["references"][:, 0]
+        reference_ids = FluxPipeline._prepare_latent_image_ids(b, *reference.shape[-2:], x.device, x.dtype)
+        reference_ids[..., 0] = 1
+        tokens, ids = torch.cat([tokens, pack(reference)], dim=1), torch.cat([ids, reference_ids])
+    return dict(hidden_states=tokens, encoder_hidden_states=cond["embeds"], pooled_projections=cond["pooled"],
+                timestep=t, img_ids=ids, txt_ids=torch.zeros(cond["embeds"].shape[1], 3, device=x.device,
+                                                             dtype=x.dtype), guidance=guidance, return_dict=False)
+
+
+def reference_call(references, height: int, width: int) -> dict:
+    """FluxKontextPipeline's reference arguments: each sample's image as it is (no resizing to Kontext's preferred
+    resolutions: training saw its controls at the sample size), the sample's area kept (max_area)."""
+    return dict(image=None if references is None else [r[0] for r in references], max_area=height * width,
+                _auto_resize=False)
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:
@@ -66,8 +87,14 @@ MODEL = Declared(
     models={"flux1-dev-diffusers": Size(FLUX1_DEV, dict(max_sequence_length=512, sample_guidance=3.5, steps=50,
                                                         cfg_scale=1.0, text_params=4.76e9 + 0.12e9)),
             "flux1-debug-diffusers": Size(FLUX1_DEBUG, dict(max_sequence_length=16, sample_guidance=3.5, steps=20,
-                                                            cfg_scale=1.0, text_params=0, tiny_text="clip+t5"))},
-    feed=Feed(encode, to_model, forward, call),
+                                                            cfg_scale=1.0, text_params=0, tiny_text="clip+t5")),
+            # FLUX.1 Kontext [dev]: FLUX.1-dev's architecture, an editing model (one reference image), its pipeline's
+            # guidance 2.5 and 28 steps
+            "flux1-kontext-dev-diffusers": Size(FLUX1_DEV, dict(KONTEXT, max_sequence_length=512, steps=28,
+                                                                text_params=4.76e9 + 0.12e9)),
+            "flux1-kontext-debug-diffusers": Size(FLUX1_DEBUG, dict(KONTEXT, max_sequence_length=16, steps=20,
+                                                                    text_params=0, tiny_text="clip+t5"))},
+    feed=Feed(encode, to_model, forward, call), reference_call=reference_call,
     text=FLUX1_TEXT, conditions={"embeds": ("L", "joint_attention_dim"), "pooled": ("pooled_projection_dim",)},
     scheduler=SCHEDULER, vae_size=(16, 83_819_683),  # FLUX.1's autoencoder
     parallel_plan=diffusers_plan(split=("image tokens and their ids", "text tokens and their ids")),

@@ -18,8 +18,7 @@ import torch
 
 from opendit.distributed import unwrap_model
 from opendit.families.wrapped.context_parallel import diffusers_plan
-from opendit.families.wrapped.glue import ModelGlue, TextEncoder, WrappedSpec, load_text_encoder
-from opendit.perf import matmul_macs
+from opendit.families.wrapped.declared import Declared, Feed, Size, Streams
 
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
@@ -32,23 +31,20 @@ KLEIN_DEBUG = dict(KLEIN_4B, num_layers=2, num_single_layers=2, attention_head_d
 DEV = dict(KLEIN_4B, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
            guidance_embeds=True)
 DEV_DEBUG = dict(KLEIN_DEBUG, guidance_embeds=True)  # for a tiny Mistral3 (16 wide, layers 1-3 stacked)
+DEV_PIPELINE = "Flux2Pipeline"  # [dev]'s (guidance-distilled); [klein] samples with Flux2KleinPipeline
 # text_layers: the text encoder's hidden states stacked into the prompt embedding; steps and cfg: sampling defaults
 # (dev: cfg is its embedded guidance); text_params: the text encoder's parameters (the memory planner counts them
 # without reading the folder); pipeline: the diffusers pipeline that samples it
-FLUX2_MODELS = {
-    "flux2-klein-4b": WrappedSpec("flux2-klein-4b", "flux2", None, KLEIN_4B,
-                                  dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0,
-                                       text_params=4.02e9)),  # Qwen3-4B
-    "flux2-klein-debug": WrappedSpec("flux2-klein-debug", "flux2", None, KLEIN_DEBUG,
-                                     dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20, cfg_scale=4.0,
-                                          text_params=0, tiny_text="qwen3")),
-    "flux2-dev": WrappedSpec("flux2-dev", "flux2", None, DEV,
-                             dict(text_layers=(10, 20, 30), max_sequence_length=512, steps=50, cfg_scale=4.0,
-                                  text_params=24.0e9, pipeline="Flux2Pipeline")),  # Mistral-Small-3.1-24B
-    "flux2-dev-debug": WrappedSpec("flux2-dev-debug", "flux2", None, DEV_DEBUG,
-                                   dict(text_layers=(1, 2, 3), max_sequence_length=48, steps=20, cfg_scale=4.0,
-                                        text_params=0, pipeline="Flux2Pipeline",  # 48: the system message fits
-                                        tiny_text="mistral3")),
+MODELS = {
+    "flux2-klein-4b": Size(KLEIN_4B, dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0,
+                                          text_params=4.02e9)),  # Qwen3-4B
+    "flux2-klein-debug": Size(KLEIN_DEBUG, dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20,
+                                                cfg_scale=4.0, text_params=0, tiny_text="qwen3")),
+    "flux2-dev": Size(DEV, dict(text_layers=(10, 20, 30), max_sequence_length=512, steps=50, cfg_scale=4.0,
+                                text_params=24.0e9, pipeline=DEV_PIPELINE)),  # Mistral-Small-3.1-24B
+    "flux2-dev-debug": Size(DEV_DEBUG, dict(text_layers=(1, 2, 3), max_sequence_length=48, steps=20, cfg_scale=4.0,
+                                            text_params=0, pipeline=DEV_PIPELINE,  # 48: the system message fits
+                                            tiny_text="mistral3")),
 }
 TRAIN_GUIDANCE = 1.0  # [dev]'s guidance embedding while training (diffusers' examples train with --guidance_scale 1)
 # the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
@@ -56,130 +52,103 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                  base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
 
 
-def _klein():
+def is_dev(name: str) -> bool:
+    return MODELS[name].constants.get("pipeline") == DEV_PIPELINE
+
+
+def encode(text, captions, device) -> dict:
+    """The pipeline's own prompt encoding: [dev]'s Mistral3 (its system message), [klein]'s Qwen3."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+    embed = (Flux2Pipeline._get_mistral_3_small_prompt_embeds if isinstance(text.pipeline, Flux2Pipeline)
+             else Flux2KleinPipeline._get_qwen3_prompt_embeds)
+    return {"embeds": embed(text.model, text.tokenizer, captions, dtype=torch.float32, device=device,
+                            max_sequence_length=text.max_length, hidden_states_layers=text.layers)}
+
+
+def to_model(vae, z):
+    """Patched 2x2 and normalised by the VAE's batch-norm statistics (the pipeline's _encode_vae_image)."""
     from diffusers import Flux2KleinPipeline
-    return Flux2KleinPipeline
+    z = Flux2KleinPipeline._patchify_latents(z)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
+    return (z - mean) / std
 
 
-def _dev():
-    from diffusers import Flux2Pipeline
-    return Flux2Pipeline
+def forward(model, x, t, cond) -> dict:
+    """The pipeline's packing and 4-D position ids; [dev]'s guidance embedding given TRAIN_GUIDANCE."""
+    from diffusers import Flux2KleinPipeline as pipe
+    embeds = cond["embeds"]
+    guidance = torch.full((len(x),), TRAIN_GUIDANCE, device=x.device) \
+        if unwrap_model(model).config.guidance_embeds else None  # model: as boosted (DDP wraps it)
+    return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
+                img_ids=pipe._prepare_latent_ids(x).to(x.device), txt_ids=pipe._prepare_text_ids(embeds).to(x.device),
+                guidance=guidance, return_dict=False)
 
 
-class Flux2Glue(ModelGlue):
-    title = "FLUX.2"
-    transformer_class = "Flux2Transformer2DModel"
-    pipeline_class = "Flux2KleinPipeline"  # [dev]'s: its constants' "pipeline"
-    pipeline_options = {"Flux2KleinPipeline": {"is_distilled": False}}  # the base models: true CFG
-    scheduler_config = SCHEDULER
-    vae_class = "AutoencoderKLFlux2"
-    vae_channels, vae_params = 32, 84e6  # about: 8x down, 32 channels (128 in 2x2 patches)
-    models = FLUX2_MODELS
-    parallel_plan = diffusers_plan(split=("image tokens and their ids", "text tokens and their ids"))
+def call(constants, sample_cfg, cond, negative) -> dict:
+    """[klein]: true guidance with the negative prompt; [dev]: --cfg_scale is its embedded guidance, no negative."""
+    given = dict(prompt_embeds=cond["embeds"], guidance_scale=sample_cfg.cfg_scale,
+                 max_sequence_length=constants["max_sequence_length"], text_encoder_out_layers=constants["text_layers"])
+    if constants.get("pipeline") == DEV_PIPELINE:
+        return given
+    return dict(given, negative_prompt_embeds=negative["embeds"])
+
+
+def kohya_names(keys) -> dict[str, tuple[str, ...]]:
+    """BFL's module names, as kohya/ComfyUI/musubi-tuner files of FLUX.2 use them (and diffusers'
+    _convert_kohya_flux2_lora_to_diffusers reads them), for the model of state-dict `keys`: a double block's fused
+    img_attn.qkv / txt_attn.qkv hold diffusers' to_q, to_k, to_v / add_*_proj rows; the rest are one Linear each."""
+    def count(blocks: str) -> int:
+        return len({k.split(".")[1] for k in keys if k.startswith(blocks + ".")})
+    stacks = {}
+    for i in range(count("transformer_blocks")):
+        d, b = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        stacks |= {f"{d}.img_attn.qkv": (f"{b}.attn.to_q", f"{b}.attn.to_k", f"{b}.attn.to_v"),
+                   f"{d}.txt_attn.qkv": (f"{b}.attn.add_q_proj", f"{b}.attn.add_k_proj", f"{b}.attn.add_v_proj"),
+                   f"{d}.img_attn.proj": (f"{b}.attn.to_out.0",), f"{d}.txt_attn.proj": (f"{b}.attn.to_add_out",),
+                   f"{d}.img_mlp.0": (f"{b}.ff.linear_in",), f"{d}.img_mlp.2": (f"{b}.ff.linear_out",),
+                   f"{d}.txt_mlp.0": (f"{b}.ff_context.linear_in",), f"{d}.txt_mlp.2": (f"{b}.ff_context.linear_out",)}
+    for i in range(count("single_transformer_blocks")):
+        b = f"single_transformer_blocks.{i}.attn"
+        stacks |= {f"single_blocks.{i}.linear1": (f"{b}.to_qkv_mlp_proj",),
+                   f"single_blocks.{i}.linear2": (f"{b}.to_out",)}
+    stacks |= {"img_in": ("x_embedder",), "txt_in": ("context_embedder",), "final_layer.linear": ("proj_out",),
+               "time_in.in_layer": ("time_guidance_embed.timestep_embedder.linear_1",),
+               "time_in.out_layer": ("time_guidance_embed.timestep_embedder.linear_2",)}
+    return stacks
+
+
+def text_model(name: str) -> tuple[str, str]:
+    """[dev] reads Mistral3's prompts, [klein] Qwen3's."""
+    encoder = "Mistral3" if is_dev(name) else "Qwen3"
+    return encoder, f"{encoder} model {name} is conditioned by"
+
+
+MODEL = Declared(
+    family="flux2", title="FLUX.2", transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline",
+    models=MODELS, feed=Feed(encode, to_model, forward, call),
+    text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"}, text_model=text_model,
+    conditions={"embeds": ("L", "joint_attention_dim")},
+    scheduler=SCHEDULER, vae="AutoencoderKLFlux2", vae_size=(32, 84e6),  # about: 8x down, 32 channels (128 in 2x2)
+    packed_latents=False,  # the pipelines pack the latents they are given
+    cfg_calls=lambda name: None if is_dev(name) else "pairs",  # [dev]: embedded guidance
+    pipeline_options={"Flux2KleinPipeline": {"is_distilled": False}},  # the base models: true CFG
+    parallel_plan=diffusers_plan(split=("image tokens and their ids", "text tokens and their ids")),
     # attention and feed-forward Linears of both streams and of the single blocks (diffusers' names)
-    lora_targets = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
-                    r"ff(_context)?\.linear_(in|out))|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
-    official_key = "single_stream_modulation.lin.weight"  # BFL's flux-2-*.safetensors
-    official_converter = "convert_flux2_transformer_checkpoint_to_diffusers"
-    recipe = ("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
-              f"[dev]'s guidance embedding given {TRAIN_GUIDANCE}")
-
-    def cfg_calls(self, model: str) -> str | None:
-        return None if self.pipeline_name(model) == "Flux2Pipeline" else "pairs"  # [dev]: embedded guidance
-
-    def kohya_lora_names(self, keys) -> dict[str, tuple[str, ...]]:
-        """BFL's module names, as kohya/ComfyUI/musubi-tuner files of FLUX.2 use them (and diffusers'
-        _convert_kohya_flux2_lora_to_diffusers reads them): a double block's fused img_attn.qkv / txt_attn.qkv hold
-        diffusers' to_q, to_k, to_v / add_*_proj rows; the rest are one Linear each."""
-        def count(blocks: str) -> int:
-            return len({k.split(".")[1] for k in keys if k.startswith(blocks + ".")})
-        stacks = {}
-        for i in range(count("transformer_blocks")):
-            d, b = f"double_blocks.{i}", f"transformer_blocks.{i}"
-            stacks |= {f"{d}.img_attn.qkv": (f"{b}.attn.to_q", f"{b}.attn.to_k", f"{b}.attn.to_v"),
-                       f"{d}.txt_attn.qkv": (f"{b}.attn.add_q_proj", f"{b}.attn.add_k_proj", f"{b}.attn.add_v_proj"),
-                       f"{d}.img_attn.proj": (f"{b}.attn.to_out.0",), f"{d}.txt_attn.proj": (f"{b}.attn.to_add_out",),
-                       f"{d}.img_mlp.0": (f"{b}.ff.linear_in",), f"{d}.img_mlp.2": (f"{b}.ff.linear_out",),
-                       f"{d}.txt_mlp.0": (f"{b}.ff_context.linear_in",),
-                       f"{d}.txt_mlp.2": (f"{b}.ff_context.linear_out",)}
-        for i in range(count("single_transformer_blocks")):
-            b = f"single_transformer_blocks.{i}.attn"
-            stacks |= {f"single_blocks.{i}.linear1": (f"{b}.to_qkv_mlp_proj",),
-                       f"single_blocks.{i}.linear2": (f"{b}.to_out",)}
-        stacks |= {"img_in": ("x_embedder",), "txt_in": ("context_embedder",), "final_layer.linear": ("proj_out",),
-                   "time_in.in_layer": ("time_guidance_embed.timestep_embedder.linear_1",),
-                   "time_in.out_layer": ("time_guidance_embed.timestep_embedder.linear_2",)}
-        return stacks
-
-    def text_encoder(self, path, device, dtype, model) -> TextEncoder:
-        const, dev = self.models[model].constants, self.pipeline_name(model) == "Flux2Pipeline"
-        encoder = load_text_encoder(path, device, dtype, const["max_sequence_length"], const["text_layers"])
-        expected, tiny = ("Mistral3", " --encoder mistral3") if dev else ("Qwen3", "")
-        if expected not in type(encoder.model).__name__:
-            raise ValueError(f"--text_encoder {path}: a {type(encoder.model).__name__}, not the {expected} model "
-                             f"{model} is conditioned by (its pipeline folder, or for a debug model: python -m "
-                             f"opendit.families.wrapped.flux2 DIR{tiny})")
-        encoder.pipeline = _dev() if dev else _klein()  # whose prompt encoding
-        return encoder
-
-    def encode_prompts(self, encoder: TextEncoder, captions, device) -> dict:
-        """The pipeline's own prompt encoding: [dev]'s Mistral3 (its system message), [klein]'s Qwen3."""
-        if encoder.pipeline is _dev():
-            return {"embeds": _dev()._get_mistral_3_small_prompt_embeds(
-                encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32, device=device,
-                max_sequence_length=encoder.max_length, hidden_states_layers=encoder.layers)}
-        return {"embeds": _klein()._get_qwen3_prompt_embeds(
-            encoder.model, encoder.tokenizer, list(captions), dtype=torch.float32, device=device,
-            max_sequence_length=encoder.max_length, hidden_states_layers=encoder.layers)}
-
-    def random_conditions(self, spec, batch, device) -> dict:
-        length, width = spec.constants["max_sequence_length"], spec.arch["joint_attention_dim"]
-        return {"embeds": torch.randn(batch, length, width, device=device)}
-
-    def to_model_space(self, vae, z):
-        """Patched 2x2 and normalised by the VAE's batch-norm statistics (the pipeline's _encode_vae_image)."""
-        z = _klein()._patchify_latents(z)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
-        return (z - mean) / std
-
-    def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
-        pipe, embeds = _klein(), cond["embeds"]
-        guidance = torch.full((len(x),), TRAIN_GUIDANCE, device=x.device) \
-            if unwrap_model(model).config.guidance_embeds else None
-        return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
-                    img_ids=pipe._prepare_latent_ids(x).to(x.device),
-                    txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=guidance, return_dict=False)
-
-    def from_output(self, out, shape):
-        b, c, h, w = shape
-        return out.transpose(1, 2).reshape(b, c, h, w)
-
-    def forward_macs(self, model, txt_tokens, img_tokens) -> int:
-        """A Linear of the text stream (context_embedder, the double blocks' add_*_proj, to_add_out, ff_context)
-        costs txt_tokens * in * out, of a single block the joint sequence's, of the modulations and time embedding
-        one row, of the rest (x_embedder, the image stream, proj_out) img_tokens; each block's joint attention
-        2 * L^2 * inner with L = txt + img."""
-        joint = txt_tokens + img_tokens
-
-        def rows_of(name: str) -> int:
-            if "modulation" in name or name.startswith(("time_guidance_embed", "norm_out")):
-                return 1
-            if name.startswith("single_transformer_blocks"):
-                return joint
-            if name.startswith("context_embedder") or any(p in name for p in (".add_", "to_add_out", "ff_context")):
-                return txt_tokens
-            return img_tokens
-        blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-        return matmul_macs(model, rows_of) + blocks * 2 * joint * joint * model.inner_dim
-
-    def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
-        const = self.models[loaded.cfg.model].constants
-        given = dict(prompt_embeds=cond["embeds"], guidance_scale=sample_cfg.cfg_scale,
-                     max_sequence_length=const["max_sequence_length"], text_encoder_out_layers=const["text_layers"])
-        if self.pipeline_name(loaded.cfg.model) == "Flux2Pipeline":  # guidance-distilled: no negative prompt
-            return given
-        return dict(given, negative_prompt_embeds=negative["embeds"])
+    lora_targets=(r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
+                  r"ff(_context)?\.linear_(in|out))|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"),
+    kohya_names=kohya_names,
+    official_key="single_stream_modulation.lin.weight",  # BFL's flux-2-*.safetensors
+    official_converter="convert_flux2_transformer_checkpoint_to_diffusers",
+    recipe=("diffusers' FLUX.2 DreamBooth LoRA examples: x_s = (1 - s) x + s noise, target noise - x, plain MSE, "
+            f"[dev]'s guidance embedding given {TRAIN_GUIDANCE}"),
+    # the modulations and time embedding run once per sample, the single blocks on the joint sequence, the text
+    # stream (context_embedder, the double blocks' add_*_proj, to_add_out, ff_context) on the prompt's tokens, the
+    # rest on the image's; every block's attention spans the joint sequence
+    streams=Streams(one=r"modulation|^(time_guidance_embed|norm_out)", joint=r"^single_transformer_blocks",
+                    text=r"^context_embedder|\.add_|to_add_out|ff_context",
+                    attention={"transformer_blocks": "joint", "single_transformer_blocks": "joint"}),
+)
 
 
 def save_tiny_qwen3(folder, words="digits", hidden_size: int = 16, layers: int = 3, max_length: int = 16,

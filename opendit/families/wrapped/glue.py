@@ -1,6 +1,7 @@
 """What one diffusers-transformer model needs beyond what the kind shares (opendit.families.wrapped.kind): the
-`ModelGlue` interface, and the pieces most glues use (a text encoder loaded from a pipeline folder, the stand-in
-autoencoder of pixel space, the diffusers class given opendit's model declarations).
+`ModelGlue` interface (declared.py's DeclaredGlue implements it from a model's declaration), and the pieces it uses
+(a text encoder found in a pipeline folder, the stand-in autoencoder of pixel space, the diffusers class given
+opendit's model declarations).
 
 A glue says how its model is fed: prompts -> embeddings (the pipeline's own encode_prompt code), images -> the
 model's token space (the VAE, its normalisation, patching), the forward's keyword arguments (tokens, position ids,
@@ -14,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from opendit.checkpoint.folders import read_config
 from opendit.families.base import ModelSpec
 
 
@@ -80,15 +80,6 @@ def find_folder(path: str, subfolders: tuple[str, ...], what: str, flag: str, ma
                             f"{' or '.join(s + '/' for s in subfolders)})")
 
 
-def pipeline_part(path: str, sub: str, what: str, marker: str = "config.json") -> Path:
-    """`sub`/ of the pipeline folder `path` (a model's second text encoder and tokenizer live only there)."""
-    folder = Path(path) / sub
-    if not (folder / marker).is_file():
-        raise FileNotFoundError(f"--text_encoder {path!r}: no {what} in {sub}/; this model takes a pipeline folder "
-                                f"holding text_encoder/ + tokenizer/ and text_encoder_2/ + tokenizer_2/")
-    return folder
-
-
 class PixelSpace(nn.Module):
     """Pixel space dressed as an autoencoder, so a diffusers pipeline samples a pixel-space model unchanged:
     downsampling 1, scale 1 and shift 0 (FLUX.2's batch-norm statistics and Qwen-Image's latent statistics zero
@@ -132,20 +123,6 @@ class TextEncoder:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def load_text_encoder(path: str, device, dtype: torch.dtype, max_length: int, layers=()) -> TextEncoder:
-    """A transformers text encoder (the class its config.json names) and its tokenizer from `path`: one folder
-    holding both, or a pipeline folder (its text_encoder/ and tokenizer/)."""
-    import transformers
-
-    folder = find_folder(path, ("text_encoder",), "text encoder", "--text_encoder")
-    tok = find_folder(folder if (folder / "tokenizer_config.json").is_file() else path, ("tokenizer",), "tokenizer",
-                      "--text_encoder", marker="tokenizer_config.json")
-    named = (read_config(folder).get("architectures") or ["AutoModelForCausalLM"])[0]
-    model_class = getattr(transformers, named, transformers.AutoModelForCausalLM)
-    model = model_class.from_pretrained(folder, dtype=dtype).to(device).eval().requires_grad_(False)
-    return TextEncoder(model, transformers.AutoTokenizer.from_pretrained(tok), max_length, tuple(layers))
 
 
 class ModelGlue:

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 
 from opendit.distributed import unwrap_model
 from opendit.families.wrapped.context_parallel import diffusers_plan, masked_padding
-from opendit.families.wrapped.glue import (ModelGlue, PixelSpace, TextEncoder, WrappedSpec, last_block_parameters,
-                                           load_text_encoder, pipeline_part)
-from opendit.perf import matmul_macs
+from opendit.families.wrapped.declared import Declared, Feed, Size, Streams
+from opendit.families.wrapped.glue import PixelSpace
 
 HV15_480P_T2V = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
                      num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
@@ -42,13 +41,11 @@ HV15_DEBUG = dict(HV15_480P_T2V, num_attention_heads=4, attention_head_dim=16, n
 # max_sequence_length: Qwen2.5-VL tokens kept per prompt; template_tokens: the system template's tokens the pipeline
 # crops (108 with Qwen's tokenizer; 95 with the tiny word-level one); sampling defaults: the pipeline's (50 steps,
 # guidance 6); text_params: Qwen2.5-VL-7B's and ByT5-small's
-HV15_MODELS = {
-    "hunyuanvideo1.5-t2v": WrappedSpec("hunyuanvideo1.5-t2v", "hunyuanvideo15", None, HV15_480P_T2V,
-                                       dict(max_sequence_length=1000, template_tokens=108, steps=50, cfg_scale=6.0,
-                                            text_params=8.29e9 + 0.22e9)),
-    "hunyuanvideo1.5-debug": WrappedSpec("hunyuanvideo1.5-debug", "hunyuanvideo15", None, HV15_DEBUG,
-                                         dict(max_sequence_length=16, template_tokens=95, steps=20, cfg_scale=6.0,
-                                              text_params=0, tiny_text="hunyuanvideo1.5")),
+MODELS = {
+    "hunyuanvideo1.5-t2v": Size(HV15_480P_T2V, dict(max_sequence_length=1000, template_tokens=108, steps=50,
+                                                    cfg_scale=6.0, text_params=8.29e9 + 0.22e9)),
+    "hunyuanvideo1.5-debug": Size(HV15_DEBUG, dict(max_sequence_length=16, template_tokens=95, steps=20, cfg_scale=6.0,
+                                                   text_params=0, tiny_text="hunyuanvideo1.5")),
 }
 SCHEDULER = dict(num_train_timesteps=1000, shift=5.0)  # the 480p release's flow shift
 GLYPH_TOKENS, IMAGE_TOKENS = 256, 729  # the pipeline's ByT5 length and SigLIP token count
@@ -108,144 +105,105 @@ def _key_masked_attention():
     return KeyMaskedAttention()
 
 
-def _pipeline():
-    from diffusers import HunyuanVideo15Pipeline
-    return HunyuanVideo15Pipeline
+def text_pipeline(pipeline_class, parts: dict, constants):
+    """The pipeline holding both encoders, whose encode_prompt runs them: a stand-in autoencoder (its constructor
+    reads one's channels), the prompt length and the template's tokens it crops set as the model's."""
+    pipe = pipeline_class(**parts, transformer=None, vae=PixelSpace(1), scheduler=None, guider=None)
+    pipe.tokenizer_max_length = constants["max_sequence_length"]
+    pipe.prompt_template_encode_start_idx = constants["template_tokens"]
+    return pipe
 
 
-class HunyuanVideo15Glue(ModelGlue):
-    title = "HunyuanVideo-1.5"
-    transformer_class = "HunyuanVideo15Transformer3DModel"
-    pipeline_class = "HunyuanVideo15Pipeline"
-    scheduler_config = SCHEDULER
-    vae_class = "AutoencoderKLHunyuanVideo15"
-    vae_channels, vae_params = 32, 0.25e9  # about: 16x down, 4x in time
-    models = HV15_MODELS
-    run_keys = ("in_channels", "out_channels")  # both from the latent channels
-    patch = outside_patch = 1
-    fps = 24
-    # attention of both streams and the video MLP; not the text stream's outputs (to_add_out, ff_context), which the
-    # last block computes for nothing (its text tokens are dropped): adapters there would never get a gradient
-    lora_targets = r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj)|ff\.net\.(0\.proj|2))"
-    recipe = "the flow its pipeline samples: x_t = (1 - t) x + t noise, model time 1000 t, target noise - x, plain MSE"
-    parallel_plan = diffusers_plan(split=("video tokens", "their RoPE tables", "the joint text sequence and its mask "
-                                          "(Qwen tokens padded to a multiple of the group)"),
-                                   cp_plan=_context_parallel_plan, checked=("hidden_states",),
-                                   prepare=_prepare_split)
-
-    def __call__(self, **config):
-        return super().__call__(**{**config, "in_channels": 2 * config["in_channels"] + 1,
-                                   "out_channels": config["in_channels"]})
-
-    def unused_parameters(self, model) -> list[str]:
-        """The last block's text-stream outputs: its text tokens are dropped before the output layer."""
-        return last_block_parameters(model, "transformer_blocks", ("attn.to_add_out", "ff_context"))
-
-    def text_encoder(self, path, device, dtype, model) -> TextEncoder:
-        """Qwen2.5-VL's text model (text_encoder/, tokenizer/) and ByT5 (text_encoder_2/, tokenizer_2/) of a
-        pipeline folder, held by the pipeline whose encode_prompt runs them."""
-        from transformers import AutoTokenizer, T5EncoderModel
-
-        const = self.models[model].constants
-        encoder = load_text_encoder(path, device, dtype, const["max_sequence_length"])
-        byt5 = T5EncoderModel.from_pretrained(pipeline_part(path, "text_encoder_2", "ByT5 encoder"),
-                                              dtype=dtype).to(device).eval().requires_grad_(False)
-        byt5_tokenizer = AutoTokenizer.from_pretrained(pipeline_part(path, "tokenizer_2", "ByT5 tokenizer",
-                                                                     marker="tokenizer_config.json"))
-        pipe = _pipeline()(text_encoder=encoder.model, tokenizer=encoder.tokenizer, transformer=None,
-                           vae=PixelSpace(1), scheduler=None, text_encoder_2=byt5, tokenizer_2=byt5_tokenizer,
-                           guider=None)
-        pipe.tokenizer_max_length, pipe.prompt_template_encode_start_idx = encoder.max_length, const["template_tokens"]
-        encoder.pipeline = pipe
-        return encoder
-
-    def encode_prompts(self, encoder: TextEncoder, captions, device) -> dict:
-        """The pipeline's own encode_prompt: both encoders' embeddings with their masks."""
-        embeds, mask, glyphs, glyph_mask = encoder.pipeline.encode_prompt(list(captions), device=device,
-                                                                          dtype=torch.float32,
-                                                                          batch_size=len(captions))
-        return {"embeds": embeds, "mask": mask.bool(), "embeds_2": glyphs, "mask_2": glyph_mask.bool()}
-
-    def random_conditions(self, spec, batch, device) -> dict:
-        length, arch = spec.constants["max_sequence_length"], spec.arch
-        return {"embeds": torch.randn(batch, length, arch["text_embed_dim"], device=device),
-                "mask": torch.ones(batch, length, dtype=torch.bool, device=device),
-                "embeds_2": torch.randn(batch, GLYPH_TOKENS, arch["text_embed_2_dim"], device=device),
-                "mask_2": torch.ones(batch, GLYPH_TOKENS, dtype=torch.bool, device=device)}
-
-    def load_vae(self, path, device):
-        vae = super().load_vae(path, device)
-        vae.decode = _one_clip_at_a_time(vae.decode)
-        return vae
-
-    def posterior(self, vae, images):
-        """Each clip [C, T, H, W] encoded one at a time (see _one_clip_at_a_time)."""
-        found = [vae.encode(clip[None].to(next(vae.parameters()).dtype)).latent_dist for clip in images]
-        return torch.cat([p.mean for p in found]).float(), torch.cat([p.std for p in found]).float()
-
-    def vae_geometry(self, vae) -> tuple[int, int]:
-        if not hasattr(vae, "spatial_compression_ratio"):  # the memory planner's stand-in
-            return super().vae_geometry(vae)
-        return vae.spatial_compression_ratio, vae.config.latent_channels
-
-    def to_model_space(self, vae, z):
-        return z * vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-
-    def forward_kwargs(self, model, x, t, cond, cfg) -> dict:
-        """Text-to-video: zero conditioning latents and mask beside x, zero (masked) image tokens."""
-        b, _, frames, h, w = x.shape
-        width = unwrap_model(model).config.image_embed_dim  # model: as boosted (DDP wraps it)
-        image = torch.zeros(b, IMAGE_TOKENS, width, device=x.device, dtype=x.dtype)
-        return dict(hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(b, 1, frames, h, w)], dim=1),
-                    timestep=t * 1000, encoder_hidden_states=cond["embeds"], encoder_attention_mask=cond["mask"],
-                    encoder_hidden_states_2=cond["embeds_2"], encoder_attention_mask_2=cond["mask_2"],
-                    image_embeds=image, return_dict=False)
-
-    def from_output(self, out, shape):
-        return out
-
-    def forward_macs(self, model, txt_tokens, img_tokens) -> int:
-        """The token refiner's Linears cost txt_tokens * in * out, ByT5's projection GLYPH_TOKENS', the image
-        projection IMAGE_TOKENS', a block's text-stream Linears (add_*_proj, to_add_out, ff_context) the joint text
-        sequence's (all three), the time embedding and modulations one row, the rest img_tokens; each block's joint
-        attention 2 * L^2 * inner."""
-        text = txt_tokens + GLYPH_TOKENS + IMAGE_TOKENS
-        inner = model.config.num_attention_heads * model.config.attention_head_dim
-
-        def rows_of(name: str) -> int:
-            if "norm1" in name or "norm1_context" in name or name.startswith(("time_embed", "norm_out")):
-                return 1
-            if name.startswith("context_embedder_2"):
-                return GLYPH_TOKENS
-            if name.startswith("image_embedder"):
-                return IMAGE_TOKENS
-            if name.startswith("context_embedder") or any(p in name for p in (".add_", "to_add_out", "ff_context")):
-                return txt_tokens if name.startswith("context_embedder") else text
-            return img_tokens
-        attention = len(model.transformer_blocks) * (text + img_tokens) ** 2 + \
-            len(model.context_embedder.token_refiner.refiner_blocks) * txt_tokens ** 2
-        return matmul_macs(model, rows_of) + 2 * attention * inner
-
-    def pipeline_components(self, sample_cfg) -> dict:
-        from diffusers import ClassifierFreeGuidance
-        guider = ClassifierFreeGuidance(guidance_scale=sample_cfg.cfg_scale)  # 1: off, as opendit's --cfg_scale
-        return dict(text_encoder_2=None, tokenizer_2=None, guider=guider)
-
-    def pipeline_call(self, loaded, sample_cfg, cond, negative) -> dict:
-        return dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], prompt_embeds_2=cond["embeds_2"],
-                    prompt_embeds_mask_2=cond["mask_2"], negative_prompt_embeds=negative["embeds"],
-                    negative_prompt_embeds_mask=negative["mask"], negative_prompt_embeds_2=negative["embeds_2"],
-                    negative_prompt_embeds_mask_2=negative["mask_2"])
+def encode(text, captions, device) -> dict:
+    """The pipeline's own encode_prompt: both encoders' embeddings with their masks."""
+    embeds, mask, glyphs, glyph_mask = text.pipeline.encode_prompt(captions, device=device, dtype=torch.float32,
+                                                                   batch_size=len(captions))
+    return {"embeds": embeds, "mask": mask.bool(), "embeds_2": glyphs, "mask_2": glyph_mask.bool()}
 
 
-def _one_clip_at_a_time(decode):
+def to_model(vae, z):
+    return z * vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
+
+
+def forward(model, x, t, cond) -> dict:
+    """Text-to-video: zero conditioning latents and mask beside x, zero (masked) image tokens."""
+    b, _, frames, h, w = x.shape
+    width = unwrap_model(model).config.image_embed_dim  # model: as boosted (DDP wraps it)
+    image = torch.zeros(b, IMAGE_TOKENS, width, device=x.device, dtype=x.dtype)
+    return dict(hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(b, 1, frames, h, w)], dim=1),
+                timestep=t * 1000, encoder_hidden_states=cond["embeds"], encoder_attention_mask=cond["mask"],
+                encoder_hidden_states_2=cond["embeds_2"], encoder_attention_mask_2=cond["mask_2"],
+                image_embeds=image, return_dict=False)
+
+
+def call(constants, sample_cfg, cond, negative) -> dict:
+    return dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], prompt_embeds_2=cond["embeds_2"],
+                prompt_embeds_mask_2=cond["mask_2"], negative_prompt_embeds=negative["embeds"],
+                negative_prompt_embeds_mask=negative["mask"], negative_prompt_embeds_2=negative["embeds_2"],
+                negative_prompt_embeds_mask_2=negative["mask_2"])
+
+
+def guider(sample_cfg) -> dict:
+    """The pipeline's classifier-free guider at --cfg_scale (1: off, as opendit's)."""
+    from diffusers import ClassifierFreeGuidance
+    return dict(guider=ClassifierFreeGuidance(guidance_scale=sample_cfg.cfg_scale))
+
+
+def one_clip_at_a_time(vae):
     """diffusers 0.42's HunyuanVideo-1.5 autoencoder builds its causal attention mask as [B, L, L], which
     scaled_dot_product_attention broadcasts over the heads, not the batch: two clips in one call fail. Each clip alone
-    is what it computes; the pipeline's decode goes through this."""
-    def one_at_a_time(z, return_dict: bool = True):
+    is what it computes; its encode (the posterior of a batch) and decode (the pipeline's) go through this."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
+    encode, decode = vae.encode, vae.decode
+
+    def encode_each(x, return_dict: bool = True):
+        found = DiagonalGaussianDistribution(torch.cat([encode(clip[None]).latent_dist.parameters for clip in x]))
+        return (found,) if not return_dict else AutoencoderKLOutput(latent_dist=found)
+
+    def decode_each(z, return_dict: bool = True):
         out = torch.cat([decode(clip[None], return_dict=False)[0] for clip in z])
         return (out,) if not return_dict else types.SimpleNamespace(sample=out)
-    return one_at_a_time
+    vae.encode, vae.decode = encode_each, decode_each
+    return vae
+
+
+# the time embedding and modulations run once per sample, ByT5's projection on its GLYPH_TOKENS, the image
+# projection on IMAGE_TOKENS, the token refiner on the prompt's tokens, a block's text-stream Linears (add_*_proj,
+# to_add_out, ff_context) on the joint text sequence (the prompt's, ByT5's and the image tokens), the rest on the
+# video's; each block's joint attention spans the text sequence and the video, the refiner's the prompt
+STREAMS = Streams(rows={r"^context_embedder_2": lambda model: GLYPH_TOKENS,
+                        r"^image_embedder": lambda model: IMAGE_TOKENS},
+                  one=r"norm1|^(time_embed|norm_out)", text=r"\.add_|to_add_out|ff_context",
+                  prompt=r"^context_embedder",
+                  attention={"transformer_blocks": "joint", "context_embedder.token_refiner.refiner_blocks": "prompt"},
+                  added=lambda model: GLYPH_TOKENS + IMAGE_TOKENS)
+
+MODEL = Declared(
+    family="hunyuanvideo15", title="HunyuanVideo-1.5", transformer="HunyuanVideo15Transformer3DModel",
+    pipeline="HunyuanVideo15Pipeline", fps=24, models=MODELS,
+    feed=Feed(encode, to_model, forward, call, output=lambda out, shape: out),  # its output: the velocity grid
+    # Qwen2.5-VL's text model and ByT5 of a pipeline folder
+    text={"text_encoder": "text_encoder", "tokenizer": "tokenizer", "text_encoder_2": "text_encoder_2",
+          "tokenizer_2": "tokenizer_2"}, text_pipeline=text_pipeline,
+    conditions={"embeds": ("L", "text_embed_dim"), "mask": ("L",), "embeds_2": (GLYPH_TOKENS, "text_embed_2_dim"),
+                "mask_2": (GLYPH_TOKENS,)},
+    scheduler=SCHEDULER, vae="AutoencoderKLHunyuanVideo15", vae_kind="stated", vae_repair=one_clip_at_a_time,
+    vae_size=(32, 0.25e9),  # about: 16x down, 4x in time
+    patch=1, outside_patch=1, packed_latents=False, sampling_components=guider,
+    # the model takes [latents, conditioning latents, mask]: 2c + 1 channels in, c out
+    derived={"in_channels": lambda arch: 2 * arch["in_channels"] + 1, "out_channels": lambda arch: arch["in_channels"]},
+    # the last block's text-stream outputs: its text tokens are dropped before the output layer
+    unused=("transformer_blocks", ("attn.to_add_out", "ff_context")),
+    # attention of both streams and the video MLP; not the text stream's outputs (to_add_out, ff_context), which the
+    # last block computes for nothing (its text tokens are dropped): adapters there would never get a gradient
+    lora_targets=r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj)|ff\.net\.(0\.proj|2))",
+    recipe="the flow its pipeline samples: x_t = (1 - t) x + t noise, model time 1000 t, target noise - x, plain MSE",
+    parallel_plan=diffusers_plan(split=("video tokens", "their RoPE tables", "the joint text sequence and its mask "
+                                        "(Qwen tokens padded to a multiple of the group)"),
+                                 cp_plan=_context_parallel_plan, checked=("hidden_states",), prepare=_prepare_split),
+    streams=STREAMS,
+)
 
 
 def save_tiny_text_encoders(folder, words="moving_digits", hidden_size: int = 16, seed: int = 0) -> str:

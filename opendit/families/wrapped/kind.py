@@ -8,7 +8,11 @@ model's token space, the forward's arguments, the pipeline. A family is `Diffuse
 
 Data: the captioned digits demo (pixel space, through PixelSpace), a folder of captioned images / a CSV or JSONL
 of path,caption through the model's VAE, or a latent cache of either (cache.py). Caption dropout for classifier-free
-guidance replaces a caption's embedding by the empty caption's (p = --caption_dropout_prob).
+guidance replaces a caption's embedding by the empty caption's (p = --caption_dropout_prob). A model that takes
+reference images (its constants' `references`: FLUX.1 Kontext) also trains on editing pairs (the edit-digits demo, a
+target folder with its control folder): the controls are encoded as its pipeline encodes a reference image and reach
+the forward as the condition "references" [B, K, C', h', w'] (never dropped), which the feed appends to the
+sequence without noise; the loss covers the target's tokens only.
 """
 import dataclasses
 import logging
@@ -22,7 +26,7 @@ from safetensors import safe_open
 
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
-from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, LATENTS, dataset_map
+from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, EDIT_DIGITS, EDIT_PAIRS, LATENTS, dataset_map
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
 from opendit.encoders.vae import posterior_sample
@@ -31,6 +35,7 @@ from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.wrapped.cache import CachedConditions
 from opendit.families.wrapped.first_block_cache import DEFAULT_THRESHOLD, first_block_cache
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
+from opendit.images import image_paths
 from opendit.options import opt
 from opendit.seeding import sampling_generator
 
@@ -57,6 +62,9 @@ class WrappedCacheOptions:
 @dataclass(frozen=True)
 class WrappedSampleOptions(NegativePromptOption):
     text_encoder: str | None = opt(None, "the text encoder folder; default: the checkpoint's", from_checkpoint=True)
+    image: str | None = opt(None, "an editing model (one that takes a reference image): the image every prompt edits, "
+                                  "or a folder with one per prompt (in name order), resized and cropped to the sample "
+                                  "size as training's controls are")
 
 
 class FixedPrompts:
@@ -100,13 +108,15 @@ class WrappedEncoders:
 class WrappedObjective:
     """Rectified flow in the glue's token space: x_t = (1 - t) x + t noise, target noise - x, per-sample MSE. A
     batch is (images [B, C, H, W] in [-1, 1], captions), or a cached one ((mean, std), labels, captions, the
-    conditions)."""
+    conditions); with `pairs`, editing pairs (targets, controls [B, K, C, H, W], instructions)."""
 
-    def __init__(self, encoders: WrappedEncoders, cfg):
-        self.encoders, self.cfg, self.glue = encoders, cfg, encoders.glue
+    def __init__(self, encoders: WrappedEncoders, cfg, pairs: bool = False):
+        self.encoders, self.cfg, self.glue, self.pairs = encoders, cfg, encoders.glue, pairs
         self.flow = RectifiedFlow(distribution=cfg.timestep_sampling, shift=False)
 
     def prepare(self, batch, device, train: bool = True):
+        """-> (x [B, C', h', w'], the conditions): the prompts' (caption dropout applied) and an editing pair's
+        controls in model space ("references")."""
         vae = self.encoders.vae
         if isinstance(batch[0], (list, tuple)):  # a cache: one posterior sample, drawn as encode_images draws it
             z = posterior_sample(*(t.to(device, non_blocking=True) for t in batch[0]))
@@ -119,7 +129,10 @@ class WrappedObjective:
         p = self.cfg.caption_dropout_prob if train else 0.0
         drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
         empty = self.encoders.empty_conditions(device)
-        return x, {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
+        cond = {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
+        if self.pairs:  # (targets, controls, instructions)
+            cond["references"] = reference_latents(self.glue, vae, batch[1].to(device, non_blocking=True))
+        return x, cond
 
     def losses(self, model, x, cond, t_frac=None, noise=None):
         t = self.flow.sample_t(len(x), x.device) if t_frac is None else t_frac.to(x.device, torch.float32)
@@ -130,6 +143,14 @@ class WrappedObjective:
         return self.flow.losses(velocity, x, t, noise), t
 
 
+def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Tensor:
+    """Controls [B, K, C, H, W] in [-1, 1] -> [B, K, C', h', w'] in model space, as a pipeline encodes a reference
+    image: the posterior's mode (its mean; pixels themselves in pixel space), normalised and packed as latents are."""
+    images = controls.flatten(0, 1)
+    z = images if isinstance(vae, PixelSpace) else glue.posterior(vae, images)[0]
+    return glue.to_model_space(vae, z.float()).float().unflatten(0, controls.shape[:2])
+
+
 @dataclass
 class PipelineSampler:
     steps: int
@@ -138,7 +159,7 @@ class PipelineSampler:
 
 class DiffusersFamily(CachedConditions, LatentImageFamily):
     """A family of one ModelGlue's models (see the module's docstring)."""
-    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS)
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS, EDIT_DIGITS, EDIT_PAIRS)
     samplers = ("euler",)  # the pipeline's scheduler (FLUX.2: FlowMatchEulerDiscreteScheduler)
     train_options = WrappedTrainOptions
     sample_options = WrappedSampleOptions
@@ -170,7 +191,17 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
+        if self.dataset_spec(cfg).pairs and cfg.model in self.models and not self.references(cfg.model):
+            editing = [n for n in self.models if self.references(n)]
+            raise ValueError(f"--dataset {cfg.dataset}: {cfg.model} takes no reference image, so it cannot learn from "
+                             f"editing pairs; " + (f"train {' or '.join(editing)}" if editing else
+                                                   f"no {self.name} model does (README's models table names those "
+                                                   f"that do)"))
         return dataclasses.replace(super().fill_defaults(cfg), num_classes=0)
+
+    def references(self, model: str) -> int:
+        """How many reference images the registered `model` takes (0: none)."""
+        return self.models[model].constants.get("references", 0)
 
     def load_encoders(self, cfg: WrappedTrainOptions | WrappedCacheOptions, device, training: bool) -> WrappedEncoders:
         if is_none(cfg.text_encoder):
@@ -193,6 +224,10 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     def load_data(self, cfg: WrappedTrainOptions, encoders):
         dataset, cfg = super().load_data(cfg, encoders)
+        controls = getattr(dataset, "controls_per_target", 0)
+        if controls > self.references(cfg.model):
+            raise ValueError(f"{cfg.data_path or cfg.dataset}: {controls} controls per target; {cfg.model} takes "
+                             f"{self.references(cfg.model)} reference image(s): keep that many per target")
         if self.dataset_spec(cfg).cache:
             self.use_cache(cfg, encoders, dataset)
         return dataset, cfg
@@ -240,7 +275,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     def objective(self, cfg: WrappedTrainOptions, encoders) -> WrappedObjective:
         logger.info("objective of %s: %s; t ~ %s", cfg.model, self.glue.recipe, cfg.timestep_sampling)
-        return WrappedObjective(encoders, cfg)
+        return WrappedObjective(encoders, cfg, pairs=self.dataset_spec(cfg).pairs)
 
     def memory_inputs(self, cfg: WrappedTrainOptions, model, latent_shape, batch, device) -> dict:
         cond = self.glue.random_conditions(self.models[cfg.model], batch, device)
@@ -316,6 +351,9 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def make_sampler(self, sample_cfg: WrappedSampleOptions, cfg: WrappedTrainOptions) -> PipelineSampler:
         """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored; --cache
         fbcache is diffusers' own First Block Cache."""
+        if sample_cfg.image is not None and not self.references(cfg.model):
+            raise ValueError(f"--image {sample_cfg.image}: {cfg.model} takes no reference image; leave --image out (or "
+                             f"sample an editing model)")
         if sample_cfg.cache == "fbcache" and sample_cfg.sequence_parallel_size > 1:
             raise ValueError("--cache fbcache with --sequence_parallel_size: diffusers' First Block Cache decides on "
                              "each rank's own tokens, so the ranks could part ways; leave one of them out")
@@ -352,11 +390,35 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, self.glue.pipeline_name(loaded.cfg.model),
                                   **self.glue.pipeline_components(sample_cfg))
         step = self.downsampling(loaded)
+        references = self.glue.reference_call(
+            self._references(sample_cfg, loaded, indices, conditions, h * step, w * step), h * step, w * step
+        ) if self.references(loaded.cfg.model) else {}
         with first_block_cache(loaded.model, sampler.first_block_cache):
             out = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
                        height=h * step, width=w * step, output_type="np", **self.size_kwargs(loaded, noise.shape),
-                       **self.glue.pipeline_call(loaded, sample_cfg, cond, negative))
+                       **self.glue.pipeline_call(loaded, sample_cfg, cond, negative), **references)
         return (np.asarray(out[0]) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+
+    def _references(self, sample_cfg, loaded, indices, conditions, height: int, width: int):
+        """--image's reference of each sample of `indices` (a list of PIL images per sample: the file's, or the
+        folder's image of its prompt), resized and cropped to the sample size as training's controls are, grey where
+        the model samples grey pixels; None without --image."""
+        if sample_cfg.image is None:
+            return None
+        from PIL import Image
+
+        from opendit.data.transforms import resize_crop
+        paths = image_paths(sample_cfg.image)
+        if len(paths) > 1 and len(paths) != len(conditions):
+            raise ValueError(f"--image {sample_cfg.image} holds {len(paths)} images for {len(conditions)} prompts: "
+                             f"give one image for every prompt, or one per prompt")
+        grey = isinstance(loaded.encoders.vae, PixelSpace) and loaded.encoders.vae.config.latent_channels == 1
+
+        def reference(path):
+            with Image.open(path) as image:
+                image = resize_crop(image.convert("RGB"), width, height)
+            return [image.convert("L") if grey else image]
+        return [reference(paths[i % len(conditions) % len(paths)]) for i in indices]
 
     def size_kwargs(self, loaded, shape) -> dict:
         """The pipeline's size arguments beyond height and width for latents of `shape` (video: num_frames)."""

@@ -270,9 +270,10 @@ def write_text_encoder(model: str, folder, words: str = "digits") -> str:
 
 
 if __name__ == "__main__":
+    from opendit.encoders.tiny_clip import WORD_SETS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a debug model of a diffusers-transformer family, e.g. z-image-debug")
     parser.add_argument("folder")
-    parser.add_argument("--words", default="digits", help="the vocabulary: digits, moving_digits or all")
+    parser.add_argument("--words", default="digits", choices=WORD_SETS, help="the vocabulary: a demo's captions")
     args = parser.parse_args()
     print(write_text_encoder(args.model, args.folder, args.words))
