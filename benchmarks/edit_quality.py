@@ -52,6 +52,9 @@ def main():
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema_decay", type=float, default=0.995)
+    p.add_argument("--caption_dropout_prob", type=float, default=0.1, help="drops the instruction this often: what "
+                   "classifier-free guidance needs")
+    p.add_argument("--cfg_scales", type=float, nargs="+", default=[1.0, 4.0], help="edits sampled at each (1: off)")
     p.add_argument("--samples_per_edit", type=int, default=50)
     p.add_argument("--sampling_steps", type=int, default=20)
     p.add_argument("--outputs", default="outputs/edit_quality")
@@ -69,8 +72,8 @@ def main():
         trainer = Trainer(cfglib.TrainConfig(
             model=MODEL, dataset="edit_digits", image_size=a.image_size, vae="none", text_encoder=text,
             batch_size=a.batch_size, lr=a.lr, ema_decay=a.ema_decay, max_steps=a.max_steps, ckpt_every=a.max_steps,
-            caption_dropout_prob=0.0, log_every=max(1, a.max_steps // 20), num_workers=0, outputs=a.outputs,
-            global_seed=a.seed))
+            caption_dropout_prob=a.caption_dropout_prob, log_every=max(1, a.max_steps // 20), num_workers=0,
+            outputs=a.outputs, global_seed=a.seed))
         trainer.train()
         train_s = time.time() - t0
         ckpt = str(sorted((trainer.run_dir / "checkpoints").glob("step-*"))[-1])
@@ -79,27 +82,29 @@ def main():
     n = min(a.samples_per_edit, len(held))
     inputs = np.stack([np.asarray(held._pixels(i, -1)) for i in range(n)])
     clf, real_acc = train_classifier(a.image_size)
+    folder = out / "inputs"
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in folder.glob("*.png"):
+        f.unlink()
+    for i, x in enumerate(inputs):
+        Image.fromarray(x).save(folder / f"{i:04d}.png")
     rows, sample_s = {}, 0.0
-    for e, instruction in enumerate(EDITS):
-        folder = out / "inputs"
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in folder.glob("*.png"):
-            f.unlink()
-        for i, x in enumerate(inputs):
-            Image.fromarray(x).save(folder / f"{i:04d}.png")
-        sample_cfg = cfglib.SampleConfig(ckpt=ckpt, cfg_scale=1.0, num_sampling_steps=a.sampling_steps, seed=a.seed,
-                                         prompts=[instruction] * n, image=str(folder))
-        images, seconds = sample_checkpoint(sample_cfg, [instruction] * n, n)
-        sample_s += seconds
-        edited = images[..., 0]
-        if e == 0:
-            wanted = (held._labels[:n] + 1) % 10
-            x = edited.reshape(n, -1).astype(np.float32) / 127.5 - 1.0  # as the classifier's real digits
-            rows[instruction] = dict(next_digit_read=float((clf.predict(x) == wanted).mean()))
-        else:
-            intended = np.stack([np.asarray(held._pixels(i, e)) for i in range(n)])
-            rows[instruction] = edit_scores(edited, inputs, intended)
+    for cfg_scale in a.cfg_scales:
+        for e, instruction in enumerate(EDITS):
+            sample_cfg = cfglib.SampleConfig(ckpt=ckpt, cfg_scale=cfg_scale, num_sampling_steps=a.sampling_steps,
+                                             seed=a.seed, prompts=[instruction] * n, image=str(folder))
+            images, seconds = sample_checkpoint(sample_cfg, [instruction] * n, n)
+            sample_s += seconds
+            edited, key = images[..., 0], f"cfg {cfg_scale:g}: {instruction}"
+            if e == 0:
+                wanted = (held._labels[:n] + 1) % 10
+                x = edited.reshape(n, -1).astype(np.float32) / 127.5 - 1.0  # as the classifier's real digits
+                rows[key] = dict(next_digit_read=float((clf.predict(x) == wanted).mean()))
+            else:
+                intended = np.stack([np.asarray(held._pixels(i, e)) for i in range(n)])
+                rows[key] = edit_scores(edited, inputs, intended)
     result = dict(model=MODEL, image_size=a.image_size, steps=a.max_steps, batch_size=a.batch_size,
+                  caption_dropout_prob=a.caption_dropout_prob,
                   sampling_steps=a.sampling_steps, edits_each=n, distance=DISTANCE,
                   classifier_accuracy_real_held_out=round(real_acc, 4), train_seconds=round(train_s, 1),
                   sample_seconds=round(sample_s, 1),

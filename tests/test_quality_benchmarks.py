@@ -59,9 +59,9 @@ def test_edit_quality_smoke(tmp_path):
     out = cli("benchmarks/edit_quality.py", "--max_steps", "2", "--batch_size", "8", "--samples_per_edit", "2",
               "--sampling_steps", "2", "--outputs", tmp_path)
     result = result_of(out)
-    assert result["edits_each"] == 2 and set(result["edits"]) == {"the next digit", "mirror it",
-                                                                  "rotate it a quarter turn",
-                                                                  "make the strokes thicker"}
+    assert result["edits_each"] == 2 and set(result["edits"]) == {
+        f"cfg {s}: {e}" for s in (1, 4) for e in ("the next digit", "mirror it", "rotate it a quarter turn",
+                                                  "make the strokes thicker")}
     assert all(0 <= v <= 1 for row in result["edits"].values() for v in row.values())
 
 

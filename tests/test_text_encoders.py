@@ -139,7 +139,8 @@ def test_clip_dtype(clip_dir):
 def test_tiny_encoder_vocabularies_and_command_line(tmp_path):
     assert demo_words("digits") == list(DIGIT_CAPTION_WORDS) and demo_words("moving_digits") == DEMO_WORDS
     assert demo_words("all") == [*DEMO_WORDS, *DIGIT_CAPTION_WORDS] and demo_words(("a", "b")) == ["a", "b"]
-    with pytest.raises(ValueError, match="unknown word set 'digit'; valid names: moving_digits, digits, edit_digits, all"):
+    with pytest.raises(ValueError, match="unknown word set 'digit'; valid names: moving_digits, digits, edit_digits, "
+                                         "all"):
         demo_words("digit")
     # what train_flux.sh runs: a tiny T5 (and CLIP) over the captioned digits' words
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

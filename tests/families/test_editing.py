@@ -218,3 +218,85 @@ def test_a_kontext_lora_loads_into_flux_kontext_pipeline_and_edits_as_opendit_sa
     with_lora = (edit() * 255).round().astype(np.uint8)
     assert np.abs(ours.astype(int) - with_lora.astype(int)).max() <= 1
     assert not np.array_equal((without * 255).round().astype(np.uint8), with_lora)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from opendit.families.wrapped.tiny_text import write_text_encoder
+    return write_text_encoder("flux2-klein-debug", tmp_path_factory.mktemp("qwen3") / "qwen3", "edit_digits")
+
+
+def test_flux2s_references_join_the_sequence_as_its_pipeline_prepares_them(qwen3):
+    """Two references per target: their latents and 4-D ids (time coordinates 10 and 20) as
+    Flux2KleinPipeline.prepare_image_latents makes them, without noise; the loss on the target's tokens."""
+    from diffusers import Flux2KleinPipeline
+
+    from opendit.families import FAMILIES
+    from opendit.families.wrapped.glue import patchify
+    family = FAMILIES["flux2"]
+    cfg = family.resolve_config(cfglib.TrainConfig(**options(qwen3, model="flux2-klein-debug"), outputs="unused"))
+    enc = family.load_encoders(cfg, torch.device("cpu"), training=True)
+    torch.manual_seed(0)
+    model = family.build_model(cfg, family.latent_shape(cfg, enc)).eval()
+    data = EditDigitsDataset(16)
+    targets = torch.stack([data[i][0] for i in (1, 2)])
+    references = [data[i][1] for i in (3, 4)]  # [1, 1, 16, 16] each: the same two for both targets
+    controls = torch.cat(references, dim=0)[None].expand(2, -1, -1, -1, -1)
+    objective = family.objective(cfg, enc)
+    x, cond = objective.prepare((targets, controls, ["mirror it", "the next digit"]), torch.device("cpu"),
+                                train=False)
+    t, noise = torch.tensor([0.3, 0.8]), torch.randn(2, 1, 16, 16)
+    losses, _ = objective.losses(model, x, cond, t_frac=t, noise=patchify(noise))
+    pipe = Flux2KleinPipeline(None, enc.vae, None, None, model)
+    latents, ids = pipe._pack_latents(patchify((1 - t.view(-1, 1, 1, 1)) * targets + t.view(-1, 1, 1, 1) * noise)), \
+        pipe._prepare_latent_ids(patchify(targets))
+    reference_latents, reference_ids = pipe.prepare_image_latents(references, 2, None, "cpu", torch.float32)
+    assert reference_ids[0, :, 0].unique().tolist() == [10, 20]
+    out = model(hidden_states=torch.cat([latents, reference_latents], 1), encoder_hidden_states=cond["embeds"],
+                timestep=t, img_ids=torch.cat([ids, reference_ids], 1), txt_ids=pipe._prepare_text_ids(cond["embeds"]),
+                return_dict=False)[0][:, :latents.size(1)]
+    by_hand = ((out - pipe._pack_latents(patchify(noise - targets))) ** 2).mean((1, 2))
+    torch.testing.assert_close(losses, by_hand, rtol=1e-6, atol=1e-7)
+
+
+def test_flux2_trains_on_two_controls_a_target_and_samples_them_as_its_pipeline(tmp_path, qwen3, one_thread):
+    """A folder of pairs with two controls per target (name_0, name_1) trains from the command line (64 px through a
+    tiny AutoencoderKLFlux2: the pipelines take references of 64 px and more); sample.py --image a.png,b.png gives
+    Flux2KleinPipeline's own images with image=[a, b] (at the sample size, as opendit hands them over)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    from opendit.data.transforms import resize_crop
+    from opendit.families.wrapped.flux2 import SCHEDULER
+    from opendit.inference import load_model
+    from opendit.seeding import sampling_generator
+    from tests.test_flux2_family import save_tiny_flux2_vae
+    data = EditDigitsDataset(16)
+    (tmp_path / "t").mkdir(), (tmp_path / "c").mkdir()
+
+    def save(pixels, path):
+        Image.fromarray(np.uint8(pixels.add(1).mul(127.5).round())).save(path)
+    for i in range(8):
+        target, control, caption = data[i]
+        save(target[0], tmp_path / "t" / f"{i}.png")
+        (tmp_path / "t" / f"{i}.txt").write_text(caption)
+        for k, image in enumerate((control[0, 0], data[i + 8][0][0])):  # a second control: another digit
+            save(image, tmp_path / "c" / f"{i}_{k}.png")
+    run = options(qwen3, model="flux2-klein-debug", dataset="edit_pairs", data_path=str(tmp_path / "t"),
+                  control_directory=str(tmp_path / "c"), image_size=64, vae=save_tiny_flux2_vae(tmp_path / "vae"))
+    run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "2",
+             "--outputs", tmp_path / "run")
+    pair = [tmp_path / "c" / "0_0.png", tmp_path / "c" / "0_1.png"]
+    sample_here("--ckpt", "latest", "--outputs", tmp_path / "run", "--image", ",".join(map(str, pair)), "--prompts",
+                "mirror it", "the next digit", "--num_sampling_steps", "2", "--cfg_scale", "1", "--npz", "--out",
+                tmp_path / "s")
+    ours = np.load(tmp_path / "s" / "samples.npz")["arr_0"]
+    loaded = load_model(cfglib.SampleConfig(ckpt="latest", outputs=str(tmp_path / "run")), torch.device("cpu"))
+    cond = loaded.encoders.encode(["mirror it", "the next digit"], "cpu")
+    pipe = Flux2KleinPipeline(FlowMatchEulerDiscreteScheduler(**SCHEDULER), loaded.encoders.vae, None, None,
+                              loaded.model)
+    theirs = pipe(image=[resize_crop(Image.open(p).convert("RGB"), 64, 64) for p in pair],
+                  prompt_embeds=cond["embeds"], guidance_scale=1.0, max_sequence_length=16,
+                  text_encoder_out_layers=(1, 2, 3), height=64, width=64, num_inference_steps=2, output_type="np",
+                  latents=torch.randn(2, *loaded.latent_shape, generator=sampling_generator(0, 0))).images
+    assert ours.shape == (2, 64, 64, 3)
+    assert np.array_equal(ours, (theirs * 255).round().astype(np.uint8))

@@ -134,8 +134,8 @@ class Declared:
     official_converter: str = ""
     # {release name: (diffusers names, ...)} of kohya LoRA files, if not diffusers'; or f(the model's keys) -> that
     kohya_names: Mapping | Callable | None = None
-    # a model taking reference images (its constants' `references`: how many): (each sample's list of PIL images,
-    # or None, height, width) -> the pipeline's arguments that hand them over
+    # a model taking reference images (its constants' `references`: at most how many): (the reference images of one
+    # pipeline call, PIL, every sample's; or None, height, width) -> the pipeline's arguments that hand them over
     reference_call: Callable | None = None
 
 

@@ -69,10 +69,9 @@ def forward(model, x, t, cond) -> dict:
 
 
 def reference_call(references, height: int, width: int) -> dict:
-    """FluxKontextPipeline's reference arguments: each sample's image as it is (no resizing to Kontext's preferred
+    """FluxKontextPipeline's reference arguments: the call's image as it is (no resizing to Kontext's preferred
     resolutions: training saw its controls at the sample size), the sample's area kept (max_area)."""
-    return dict(image=None if references is None else [r[0] for r in references], max_area=height * width,
-                _auto_resize=False)
+    return dict(image=None if references is None else references[0], max_area=height * width, _auto_resize=False)
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:

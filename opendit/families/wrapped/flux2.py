@@ -37,14 +37,14 @@ DEV_PIPELINE = "Flux2Pipeline"  # [dev]'s (guidance-distilled); [klein] samples 
 # without reading the folder); pipeline: the diffusers pipeline that samples it
 MODELS = {
     "flux2-klein-4b": Size(KLEIN_4B, dict(text_layers=(9, 18, 27), max_sequence_length=512, steps=50, cfg_scale=4.0,
-                                          text_params=4.02e9)),  # Qwen3-4B
+                                          text_params=4.02e9, references=4)),  # Qwen3-4B
     "flux2-klein-debug": Size(KLEIN_DEBUG, dict(text_layers=(1, 2, 3), max_sequence_length=16, steps=20,
-                                                cfg_scale=4.0, text_params=0, tiny_text="qwen3")),
+                                                cfg_scale=4.0, text_params=0, tiny_text="qwen3", references=4)),
     "flux2-dev": Size(DEV, dict(text_layers=(10, 20, 30), max_sequence_length=512, steps=50, cfg_scale=4.0,
-                                text_params=24.0e9, pipeline=DEV_PIPELINE)),  # Mistral-Small-3.1-24B
+                                text_params=24.0e9, pipeline=DEV_PIPELINE, references=6)),  # Mistral-Small-3.1-24B
     "flux2-dev-debug": Size(DEV_DEBUG, dict(text_layers=(1, 2, 3), max_sequence_length=48, steps=20, cfg_scale=4.0,
                                             text_params=0, pipeline=DEV_PIPELINE,  # 48: the system message fits
-                                            tiny_text="mistral3")),
+                                            tiny_text="mistral3", references=6)),
 }
 TRAIN_GUIDANCE = 1.0  # [dev]'s guidance embedding while training (diffusers' examples train with --guidance_scale 1)
 # the FLUX.2 pipelines' scheduler (resolution-dependent shift, mu from compute_empirical_mu)
@@ -75,14 +75,26 @@ def to_model(vae, z):
 
 
 def forward(model, x, t, cond) -> dict:
-    """The pipeline's packing and 4-D position ids; [dev]'s guidance embedding given TRAIN_GUIDANCE."""
+    """The pipeline's packing and 4-D position ids; [dev]'s guidance embedding given TRAIN_GUIDANCE; an editing
+    pair's references appended without noise, reference k's ids with time coordinate 10 (k + 1) (the pipelines'
+    prepare_image_latents)."""
     from diffusers import Flux2KleinPipeline as pipe
     embeds = cond["embeds"]
     guidance = torch.full((len(x),), TRAIN_GUIDANCE, device=x.device) \
         if unwrap_model(model).config.guidance_embeds else None  # model: as boosted (DDP wraps it)
-    return dict(hidden_states=pipe._pack_latents(x), encoder_hidden_states=embeds, timestep=t,
-                img_ids=pipe._prepare_latent_ids(x).to(x.device), txt_ids=pipe._prepare_text_ids(embeds).to(x.device),
-                guidance=guidance, return_dict=False)
+    tokens, ids = pipe._pack_latents(x), pipe._prepare_latent_ids(x).to(x.device)
+    if "references" in cond:
+        references = cond["references"].unbind(1)
+        reference_ids = pipe._prepare_image_ids([r[:1] for r in references]).to(x.device)
+        tokens = torch.cat([tokens, *map(pipe._pack_latents, references)], dim=1)
+        ids = torch.cat([ids, reference_ids.expand(len(x), -1, -1)], dim=1)
+    return dict(hidden_states=tokens, encoder_hidden_states=embeds, timestep=t, img_ids=ids,
+                txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=guidance, return_dict=False)
+
+
+def reference_call(references, height: int, width: int) -> dict:
+    """The pipelines' `image`: the reference images of the call's samples (one set for its whole batch)."""
+    return {} if references is None else dict(image=references)
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:
@@ -126,7 +138,7 @@ def text_model(name: str) -> tuple[str, str]:
 
 MODEL = Declared(
     family="flux2", title="FLUX.2", transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline",
-    models=MODELS, feed=Feed(encode, to_model, forward, call),
+    models=MODELS, feed=Feed(encode, to_model, forward, call), reference_call=reference_call,
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"}, text_model=text_model,
     conditions={"embeds": ("L", "joint_attention_dim")},
     scheduler=SCHEDULER, vae="AutoencoderKLFlux2", vae_size=(32, 84e6),  # about: 8x down, 32 channels (128 in 2x2)

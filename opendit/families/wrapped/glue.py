@@ -107,6 +107,14 @@ class PixelSpace(nn.Module):
     def device(self) -> torch.device:
         return self.anchor.device
 
+    def encode(self, x, return_dict: bool = True):
+        """Pixels as their own latents (a pipeline encoding a reference image: its posterior's mode), in the
+        channels this space has (RGB to grey by luma)."""
+        from opendit.data.mixture import to_channels
+        z = torch.stack([to_channels(image, self.config.latent_channels) for image in x])
+        dist = types.SimpleNamespace(mode=lambda: z, sample=lambda generator=None: z, mean=z)
+        return (dist,) if not return_dict else types.SimpleNamespace(latent_dist=dist)
+
     def decode(self, z, return_dict: bool = True):
         return (z,) if not return_dict else types.SimpleNamespace(sample=z)
 

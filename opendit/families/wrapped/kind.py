@@ -62,9 +62,10 @@ class WrappedCacheOptions:
 @dataclass(frozen=True)
 class WrappedSampleOptions(NegativePromptOption):
     text_encoder: str | None = opt(None, "the text encoder folder; default: the checkpoint's", from_checkpoint=True)
-    image: str | None = opt(None, "an editing model (one that takes a reference image): the image every prompt edits, "
-                                  "or a folder with one per prompt (in name order), resized and cropped to the sample "
-                                  "size as training's controls are")
+    image: str | None = opt(None, "an editing model: the reference image every prompt edits (several joined by "
+                                  "commas), or a folder with one per prompt (in name order; or one folder of "
+                                  "references per prompt), resized and cropped to the sample size as training's "
+                                  "controls are")
 
 
 class FixedPrompts:
@@ -141,6 +142,21 @@ class WrappedObjective:
             out = model(**self.glue.forward_kwargs(model, x_t, t, cond, self.cfg))
             return self.glue.from_output(out[0] if isinstance(out, tuple) else out, x_t.shape)
         return self.flow.losses(velocity, x, t, noise), t
+
+
+def reference_sets(image: str, prompts: int) -> list[list[Path]]:
+    """sample.py's --image of an editing model -> the reference images of each prompt (one set: every prompt's):
+    a file, or files joined by commas (one set); a folder of images (one per prompt, in name order), or of folders
+    (one per prompt, each holding that prompt's references)."""
+    if "," in image:
+        return [[p for part in image.split(",") for p in image_paths(part)]]
+    folder = Path(image)
+    subfolders = sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
+    sets = [image_paths(str(d)) for d in subfolders] if subfolders else [[p] for p in image_paths(image)]
+    if folder.is_dir() and len(sets) != prompts:
+        raise ValueError(f"--image {image} holds {len(sets)} reference {'folders' if subfolders else 'images'} for "
+                         f"{prompts} prompts: give one per prompt, or a file (or files joined by commas) for all")
+    return sets if folder.is_dir() else [[p for s in sets for p in s]]
 
 
 def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Tensor:
@@ -379,7 +395,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
         """The pipeline's images (its own decoding and post-processing, as its PIL images are) for global indices;
-        the noise from (seed, first index), the prompt embeddings from the family's encoder."""
+        the noise from (seed, first index), the prompt embeddings from the family's encoder; an editing model's
+        samples in one pipeline call per set of reference images (a pipeline gives one set to its whole batch)."""
         enc, (h, w) = loaded.encoders, loaded.latent_shape[-2:]
         noise = torch.randn(len(indices), *loaded.latent_shape,
                             generator=sampling_generator(sample_cfg.seed, indices.start))
@@ -389,36 +406,42 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, self.glue.pipeline_name(loaded.cfg.model),
                                   **self.glue.pipeline_components(sample_cfg))
-        step = self.downsampling(loaded)
-        references = self.glue.reference_call(
-            self._references(sample_cfg, loaded, indices, conditions, h * step, w * step), h * step, w * step
-        ) if self.references(loaded.cfg.model) else {}
-        with first_block_cache(loaded.model, sampler.first_block_cache):
-            out = pipe(latents=self.glue.pipeline_latents(noise.to(device)), num_inference_steps=sampler.steps,
-                       height=h * step, width=w * step, output_type="np", **self.size_kwargs(loaded, noise.shape),
-                       **self.glue.pipeline_call(loaded, sample_cfg, cond, negative), **references)
-        return (np.asarray(out[0]) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+        height, width = h * self.downsampling(loaded), w * self.downsampling(loaded)
+        sets = reference_sets(sample_cfg.image, len(conditions)) if sample_cfg.image is not None else [None]
+        rows_of: dict[int, list[int]] = {}  # {reference set: the batch rows it serves}
+        for row, i in enumerate(indices):
+            rows_of.setdefault(i % len(conditions) % len(sets), []).append(row)
+        found = []
+        for k, rows in rows_of.items():
+            references = {} if not self.references(loaded.cfg.model) else self.glue.reference_call(
+                None if sets[k] is None else self._reference_images(sets[k], loaded, height, width), height, width)
+            with first_block_cache(loaded.model, sampler.first_block_cache):
+                images = pipe(latents=self.glue.pipeline_latents(noise[rows].to(device)),
+                             num_inference_steps=sampler.steps, height=height, width=width, output_type="np",
+                             **self.size_kwargs(loaded, noise[rows].shape), **references,
+                             **self.glue.pipeline_call(loaded, sample_cfg, {k_: v[rows] for k_, v in cond.items()},
+                                                       {k_: v[rows] for k_, v in negative.items()}))
+            found.append((np.asarray(images[0]) * 255).round().astype(np.uint8))  # as diffusers' numpy_to_pil
+        out = np.concatenate(found)
+        out[np.concatenate(list(rows_of.values()))] = out.copy()  # back in the rows' order
+        return out
 
-    def _references(self, sample_cfg, loaded, indices, conditions, height: int, width: int):
-        """--image's reference of each sample of `indices` (a list of PIL images per sample: the file's, or the
-        folder's image of its prompt), resized and cropped to the sample size as training's controls are, grey where
-        the model samples grey pixels; None without --image."""
-        if sample_cfg.image is None:
-            return None
+    def _reference_images(self, paths, loaded, height: int, width: int) -> list:
+        """Reference image files -> PIL images resized and cropped to the sample size as training's controls are,
+        grey where the model samples grey pixels."""
         from PIL import Image
 
         from opendit.data.transforms import resize_crop
-        paths = image_paths(sample_cfg.image)
-        if len(paths) > 1 and len(paths) != len(conditions):
-            raise ValueError(f"--image {sample_cfg.image} holds {len(paths)} images for {len(conditions)} prompts: "
-                             f"give one image for every prompt, or one per prompt")
+        if len(paths) > self.references(loaded.cfg.model):
+            raise ValueError(f"--image: {len(paths)} reference images for one prompt; {loaded.cfg.model} takes at most "
+                             f"{self.references(loaded.cfg.model)}")
         grey = isinstance(loaded.encoders.vae, PixelSpace) and loaded.encoders.vae.config.latent_channels == 1
 
         def reference(path):
             with Image.open(path) as image:
                 image = resize_crop(image.convert("RGB"), width, height)
-            return [image.convert("L") if grey else image]
-        return [reference(paths[i % len(conditions) % len(paths)]) for i in indices]
+            return image.convert("L") if grey else image
+        return [reference(path) for path in paths]
 
     def size_kwargs(self, loaded, shape) -> dict:
         """The pipeline's size arguments beyond height and width for latents of `shape` (video: num_frames)."""
