@@ -146,6 +146,19 @@ def test_an_editing_run_trains_resumes_exactly_and_samples_as_the_pipeline(tmp_p
                   latents=pack(torch.randn(2, 4, 8, 8, generator=sampling_generator(3, 0))), height=16, width=16,
                   max_area=256, _auto_resize=False, num_inference_steps=2, output_type="np").images
     assert np.array_equal(ours[..., 0], (theirs[..., 0] * 255).round().astype(np.uint8))
+    folder = tmp_path / "per_prompt"  # one reference per prompt: each sample its own, in one pipeline call
+    folder.mkdir()
+    Image.open(reference).save(folder / "0.png")
+    Image.fromarray(np.uint8(EditDigitsDataset(16)[9][0][0].add(1).mul(127.5).round())).save(folder / "1.png")
+    sample_here("--ckpt", "latest", "--outputs", tmp_path / "cli", "--image", folder, "--prompts", "mirror it",
+                "the next digit", "--num_sampling_steps", "2", "--seed", "3", "--npz", "--out", tmp_path / "s2")
+    theirs = pipe(image=[Image.open(folder / f"{i}.png").convert("L") for i in (0, 1)], prompt_embeds=cond["embeds"],
+                  pooled_prompt_embeds=cond["pooled"], negative_prompt_embeds=negative["embeds"],
+                  negative_pooled_prompt_embeds=negative["pooled"], guidance_scale=2.5, max_sequence_length=16,
+                  latents=pack(torch.randn(2, 4, 8, 8, generator=sampling_generator(3, 0))), height=16, width=16,
+                  max_area=256, _auto_resize=False, num_inference_steps=2, output_type="np").images
+    ours = np.load(tmp_path / "s2" / "samples.npz")["arr_0"]
+    assert np.array_equal(ours[..., 0], (theirs[..., 0] * 255).round().astype(np.uint8))
 
 
 def test_pairs_for_a_model_without_references_and_an_image_it_cannot_take_are_one_error_each(tmp_path,

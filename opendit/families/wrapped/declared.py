@@ -134,9 +134,10 @@ class Declared:
     official_converter: str = ""
     # {release name: (diffusers names, ...)} of kohya LoRA files, if not diffusers'; or f(the model's keys) -> that
     kohya_names: Mapping | Callable | None = None
-    # a model taking reference images (its constants' `references`: at most how many): (the reference images of one
-    # pipeline call, PIL, every sample's; or None, height, width) -> the pipeline's arguments that hand them over
+    # a model taking reference images (its constants' `references`: at most how many): (each sample's reference
+    # images in one pipeline call, PIL; or None, height, width) -> the pipeline's arguments that hand them over
     reference_call: Callable | None = None
+    references_per_sample: bool = False  # its pipeline takes each sample's references; else one set per call
 
 
 class DeclaredGlue(ModelGlue):
@@ -153,6 +154,7 @@ class DeclaredGlue(ModelGlue):
         self.official_key, self.official_converter = d.official_key, d.official_converter
         self.run_keys = tuple(dict.fromkeys(("in_channels", *d.derived)))
         self.pipeline_options = {k: dict(v) for k, v in d.pipeline_options.items()}
+        self.references_per_sample = d.references_per_sample
         self.models = {n: WrappedSpec(n, d.family, None, dict(s.arch), dict(s.constants)) for n, s in d.models.items()}
 
     def __call__(self, **config) -> nn.Module:

@@ -69,9 +69,10 @@ def forward(model, x, t, cond) -> dict:
 
 
 def reference_call(references, height: int, width: int) -> dict:
-    """FluxKontextPipeline's reference arguments: the call's image as it is (no resizing to Kontext's preferred
+    """FluxKontextPipeline's reference arguments: each sample's image as it is (no resizing to Kontext's preferred
     resolutions: training saw its controls at the sample size), the sample's area kept (max_area)."""
-    return dict(image=None if references is None else references[0], max_area=height * width, _auto_resize=False)
+    return dict(image=None if references is None else [r[0] for r in references], max_area=height * width,
+                _auto_resize=False)
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:
@@ -93,7 +94,7 @@ MODEL = Declared(
                                                                 text_params=4.76e9 + 0.12e9)),
             "flux1-kontext-debug-diffusers": Size(FLUX1_DEBUG, dict(KONTEXT, max_sequence_length=16, steps=20,
                                                                     text_params=0, tiny_text="clip+t5"))},
-    feed=Feed(encode, to_model, forward, call), reference_call=reference_call,
+    feed=Feed(encode, to_model, forward, call), reference_call=reference_call, references_per_sample=True,
     text=FLUX1_TEXT, conditions={"embeds": ("L", "joint_attention_dim"), "pooled": ("pooled_projection_dim",)},
     scheduler=SCHEDULER, vae_size=(16, 83_819_683),  # FLUX.1's autoencoder
     parallel_plan=diffusers_plan(split=("image tokens and their ids", "text tokens and their ids")),

@@ -94,7 +94,7 @@ def forward(model, x, t, cond) -> dict:
 
 def reference_call(references, height: int, width: int) -> dict:
     """The pipelines' `image`: the reference images of the call's samples (one set for its whole batch)."""
-    return {} if references is None else dict(image=references)
+    return {} if references is None else dict(image=references[0])
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:

@@ -157,6 +157,7 @@ class ModelGlue:
     # (diffusers.loaders.single_file_utils)
     official_key: str | tuple[str, ...] = ""  # (or keys, all of them)
     official_converter: str = ""
+    references_per_sample: bool = False  # an editing model's pipeline takes each sample's references in one call
     # config keys the run decides (from its latent channels), not compared when naming a diffusers folder's model
     run_keys: tuple[str, ...] = ("in_channels",)
 

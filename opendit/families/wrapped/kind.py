@@ -15,6 +15,7 @@ the forward as the condition "references" [B, K, C', h', w'] (never dropped), wh
 sequence without noise; the loss covers the target's tokens only.
 """
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -396,7 +397,8 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
         """The pipeline's images (its own decoding and post-processing, as its PIL images are) for global indices;
         the noise from (seed, first index), the prompt embeddings from the family's encoder; an editing model's
-        samples in one pipeline call per set of reference images (a pipeline gives one set to its whole batch)."""
+        samples in one pipeline call, or one per set of reference images where its pipeline gives one set to its
+        whole batch (glue.references_per_sample False)."""
         enc, (h, w) = loaded.encoders, loaded.latent_shape[-2:]
         noise = torch.randn(len(indices), *loaded.latent_shape,
                             generator=sampling_generator(sample_cfg.seed, indices.start))
@@ -408,13 +410,19 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
                                   **self.glue.pipeline_components(sample_cfg))
         height, width = h * self.downsampling(loaded), w * self.downsampling(loaded)
         sets = reference_sets(sample_cfg.image, len(conditions)) if sample_cfg.image is not None else [None]
-        rows_of: dict[int, list[int]] = {}  # {reference set: the batch rows it serves}
+
+        def set_of(i: int) -> int:
+            return i % len(conditions) % len(sets)
+        images_of = functools.cache(lambda k: None if sets[k] is None else
+                                    self._reference_images(sets[k], loaded, height, width))
+        rows_of: dict[int, list[int]] = {}  # {a call: the batch rows it samples}: one, or one per reference set
         for row, i in enumerate(indices):
-            rows_of.setdefault(i % len(conditions) % len(sets), []).append(row)
+            rows_of.setdefault(0 if self.glue.references_per_sample else set_of(i), []).append(row)
         found = []
-        for k, rows in rows_of.items():
+        for rows in rows_of.values():
+            given = [images_of(set_of(indices[row])) for row in rows]
             references = {} if not self.references(loaded.cfg.model) else self.glue.reference_call(
-                None if sets[k] is None else self._reference_images(sets[k], loaded, height, width), height, width)
+                None if given[0] is None else given, height, width)
             with first_block_cache(loaded.model, sampler.first_block_cache):
                 images = pipe(latents=self.glue.pipeline_latents(noise[rows].to(device)),
                              num_inference_steps=sampler.steps, height=height, width=width, output_type="np",
