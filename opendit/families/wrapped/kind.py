@@ -36,7 +36,7 @@ from opendit.families.latent import LatentImageFamily, is_none
 from opendit.families.wrapped.cache import CachedConditions
 from opendit.families.wrapped.first_block_cache import DEFAULT_THRESHOLD, first_block_cache
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
-from opendit.images import image_paths
+from opendit.families.wrapped.references import reference_images, reference_latents, reference_sets
 from opendit.options import opt
 from opendit.seeding import sampling_generator
 
@@ -145,33 +145,11 @@ class WrappedObjective:
         return self.flow.losses(velocity, x, t, noise), t
 
 
-def reference_sets(image: str, prompts: int) -> list[list[Path]]:
-    """sample.py's --image of an editing model -> the reference images of each prompt (one set: every prompt's):
-    a file, or files joined by commas (one set); a folder of images (one per prompt, in name order), or of folders
-    (one per prompt, each holding that prompt's references)."""
-    if "," in image:
-        return [[p for part in image.split(",") for p in image_paths(part)]]
-    folder = Path(image)
-    subfolders = sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
-    sets = [image_paths(str(d)) for d in subfolders] if subfolders else [[p] for p in image_paths(image)]
-    if folder.is_dir() and len(sets) != prompts:
-        raise ValueError(f"--image {image} holds {len(sets)} reference {'folders' if subfolders else 'images'} for "
-                         f"{prompts} prompts: give one per prompt, or a file (or files joined by commas) for all")
-    return sets if folder.is_dir() else [[p for s in sets for p in s]]
-
-
-def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Tensor:
-    """Controls [B, K, C, H, W] in [-1, 1] -> [B, K, C', h', w'] in model space, as a pipeline encodes a reference
-    image: the posterior's mode (its mean; pixels themselves in pixel space), normalised and packed as latents are."""
-    images = controls.flatten(0, 1)
-    z = images if isinstance(vae, PixelSpace) else glue.posterior(vae, images)[0]
-    return glue.to_model_space(vae, z.float()).float().unflatten(0, controls.shape[:2])
-
-
 @dataclass
 class PipelineSampler:
     steps: int
     first_block_cache: float | None = None  # --cache fbcache's threshold (diffusers' First Block Cache), None: off
+    references: list | None = None  # an editing model's --image: each prompt's reference files (references.py)
 
 
 class DiffusersFamily(CachedConditions, LatentImageFamily):
@@ -368,9 +346,13 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def make_sampler(self, sample_cfg: WrappedSampleOptions, cfg: WrappedTrainOptions) -> PipelineSampler:
         """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored; --cache
         fbcache is diffusers' own First Block Cache."""
-        if sample_cfg.image is not None and not self.references(cfg.model):
-            raise ValueError(f"--image {sample_cfg.image}: {cfg.model} takes no reference image; leave --image out (or "
-                             f"sample an editing model)")
+        references = None
+        if sample_cfg.image is not None:
+            if not self.references(cfg.model):
+                raise ValueError(f"--image {sample_cfg.image}: {cfg.model} takes no reference image; leave --image "
+                                 f"out (or sample an editing model)")
+            references = reference_sets(sample_cfg.image, len(self.conditions(sample_cfg, cfg)), cfg.model,
+                                        self.references(cfg.model))
         if sample_cfg.cache == "fbcache" and sample_cfg.sequence_parallel_size > 1:
             raise ValueError("--cache fbcache with --sequence_parallel_size: diffusers' First Block Cache decides on "
                              "each rank's own tokens, so the ranks could part ways; leave one of them out")
@@ -388,7 +370,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
                              f"through its diffusers pipeline ({self.glue.pipeline_name(cfg.model)}), which this "
                              f"option does not reach yet; leave it out")
         return PipelineSampler(sample_cfg.num_sampling_steps,
-                               sample_cfg.cache_threshold if sample_cfg.cache == "fbcache" else None)
+                               sample_cfg.cache_threshold if sample_cfg.cache == "fbcache" else None, references)
 
     def sampling_encoders(self, cfg: WrappedTrainOptions, encoders, device):
         return encoders
@@ -409,12 +391,13 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, self.glue.pipeline_name(loaded.cfg.model),
                                   **self.glue.pipeline_components(sample_cfg))
         height, width = h * self.downsampling(loaded), w * self.downsampling(loaded)
-        sets = reference_sets(sample_cfg.image, len(conditions)) if sample_cfg.image is not None else [None]
+        sets = sampler.references or [None]
+        grey = isinstance(enc.vae, PixelSpace) and enc.vae.config.latent_channels == 1
 
         def set_of(i: int) -> int:
             return i % len(conditions) % len(sets)
         images_of = functools.cache(lambda k: None if sets[k] is None else
-                                    self._reference_images(sets[k], loaded, height, width))
+                                    reference_images(sets[k], height, width, grey))
         rows_of: dict[int, list[int]] = {}  # {a call: the batch rows it samples}: one, or one per reference set
         for row, i in enumerate(indices):
             rows_of.setdefault(0 if self.glue.references_per_sample else set_of(i), []).append(row)
@@ -433,23 +416,6 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         out = np.concatenate(found)
         out[np.concatenate(list(rows_of.values()))] = out.copy()  # back in the rows' order
         return out
-
-    def _reference_images(self, paths, loaded, height: int, width: int) -> list:
-        """Reference image files -> PIL images resized and cropped to the sample size as training's controls are,
-        grey where the model samples grey pixels."""
-        from PIL import Image
-
-        from opendit.data.transforms import resize_crop
-        if len(paths) > self.references(loaded.cfg.model):
-            raise ValueError(f"--image: {len(paths)} reference images for one prompt; {loaded.cfg.model} takes at most "
-                             f"{self.references(loaded.cfg.model)}")
-        grey = isinstance(loaded.encoders.vae, PixelSpace) and loaded.encoders.vae.config.latent_channels == 1
-
-        def reference(path):
-            with Image.open(path) as image:
-                image = resize_crop(image.convert("RGB"), width, height)
-            return image.convert("L") if grey else image
-        return [reference(path) for path in paths]
 
     def size_kwargs(self, loaded, shape) -> dict:
         """The pipeline's size arguments beyond height and width for latents of `shape` (video: num_frames)."""
