@@ -35,8 +35,8 @@ logger = logging.getLogger("opendit.preprocess")
 
 
 class _Tagged(torch.utils.data.Dataset):
-    """Adds ok to each item ((x, label[, caption]) -> (..., ok)): ok is False when the dataset replaced an
-    unreadable file by another."""
+    """Adds the index and ok to each item ((x, label[, caption[, controls]]) -> (..., index, ok)): ok is False when
+    the dataset replaced an unreadable file by another."""
 
     def __init__(self, dataset, indices):
         self.dataset, self.indices = dataset, indices
@@ -66,9 +66,10 @@ def _by_bucket(indices: list[int], ids) -> list[tuple[int | None, list[int]]]:
 
 def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, dtype, shard_size, num_workers,
                  ids=None, write=None):
-    """Encode dataset[indices] with encode(x, captions) -> {"mean", "std"[, text embeddings]} into shards
-    r<rank>-<k> under folder -> (shard entries, skipped count, per-item latent shape or None when nothing was
-    encoded). Captions (sources that have them) are stored beside the labels. With aspect-ratio buckets (ids: each
+    """Encode dataset[indices] with encode(x, captions, controls) -> {"mean", "std"[, text embeddings][, the controls'
+    latents]} into shards r<rank>-<k> under folder -> (shard entries, skipped count, per-item latent shape or None
+    when nothing was encoded). Captions (sources that have them) are stored beside the labels; an editing pair's
+    controls (its item's fourth field, [K, C, H, W]) go to encode, else None. With aspect-ratio buckets (ids: each
     item's bucket) the slice is encoded bucket by bucket and every shard holds one bucket (its entry records the
     bucket and latent shape). write(folder, stem, arrays, keys) writes a shard (keys: its items' source indices);
     default: .npy files."""
@@ -96,10 +97,11 @@ def encode_slice(encode, dataset, indices, folder, rank, batch_size, flip_both, 
             keys.extend(index[ok].tolist())
             x, y = item[0][ok], item[1][ok]
             captions = [c for c, good in zip(item[2], ok.tolist()) if good] if len(item) > 2 else None
+            controls = item[3][ok] if len(item) > 3 else None
             if len(y):
-                parts = encode(x, captions)
+                parts = encode(x, captions, controls)
                 if flip_both:  # flipping the [-1, 1] tensor equals flipping the PIL image; captions stay
-                    parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1), None).items()})
+                    parts.update({f"{k}_flip": v for k, v in encode(x.flip(-1), None, None).items()})
                 shape = list(parts["mean"].shape[1:])
                 for key, value in parts.items():
                     buf.setdefault(key, []).append(value.numpy().astype(dtype))
@@ -144,10 +146,12 @@ def encode_ranges(encode, dataset, folder, rank, world, cfg, ids=None):
     return shards, skipped, shape
 
 
-def _resume_partial(partial: str, cfg) -> None:
-    """--skip_existing: the interrupted run in `partial` must have been made with the same settings."""
-    settings = {k: getattr(cfg, k) for k in ("family", "dataset", "data_path", "image_size", "buckets", "bucket_area",
-                                             "vae", "model", "flip_both", "dtype", "shard_size")}
+def _resume_partial(partial: str, cfg, cache_keys) -> None:
+    """--skip_existing: the interrupted run in `partial` must have been made with the same settings (and the family's
+    cache_keys, e.g. the text encoder)."""
+    settings = {k: getattr(cfg, k, None) for k in ("family", "dataset", "data_path", "control_directory",
+                                                   "image_size", "buckets", "bucket_area", "vae", "model",
+                                                   "flip_both", "dtype", "shard_size", *cache_keys)}
     path = os.path.join(partial, "settings.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -189,12 +193,13 @@ def preprocess(cfg: cfglib.PreprocessConfig) -> dict:
             shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial, exist_ok=True)
         if keep:
-            _resume_partial(partial, cfg)
+            _resume_partial(partial, cfg, family.cache_keys)
     dist.barrier()
     setup_finished()  # from here on an error is a fault of the run, not of its flags: it keeps its traceback
     # contiguous, deterministic slices: the cache's item order is the dataset's, whatever the world size
     n, w, r = len(dataset), info.world_size, info.rank
-    encode = lambda x, c: family.cache_encode(encoders, x, c)  # noqa: E731
+    def encode(x, captions, controls):  # controls: an editing pair's, for a family that caches pairs
+        return family.cache_encode(encoders, x, captions, **({} if controls is None else {"controls": controls}))
     if cfg.cache_format == "webdataset":
         shards, skipped, shape = encode_ranges(encode, dataset, partial, r, w, cfg, ids=bucket_ids(dataset))
     else:
@@ -243,12 +248,14 @@ def _write_manifest(cfg, family, dataset, folder, gathered, extras) -> dict:
         buckets=cfg.buckets, bucket_area=cfg.bucket_area, bucket_frames=list(cfg.bucket_frames),
         bucket_sizes=None if buckets is None else [[b.width, b.height, b.frames] for b in buckets],
         num_classes=int(getattr(dataset, "num_classes", 0)),
+        controls_per_target=int(getattr(dataset, "controls_per_target", 0)),
         classes=list(getattr(dataset, "classes", [str(c) for c in range(dataset.num_classes)])),
         count=sum(s["count"] for s in all_shards), skipped=sum(k for _, k, _ in gathered),
         flip_both=bool(cfg.flip_both), dtype=cfg.dtype, captions=bool(all_shards) and all_shards[0]["captions"],
         embeddings=all_shards[0]["embeddings"] if all_shards else [], extras=extras,
         **{key: getattr(cfg, key) for key in family.cache_keys},
-        source=dict(dataset=cfg.dataset, data_path=cfg.data_path),
+        source=dict(dataset=cfg.dataset, data_path=cfg.data_path,
+                    control_directory=getattr(cfg, "control_directory", None)),  # editing pairs: their controls
         shards=all_shards)
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)

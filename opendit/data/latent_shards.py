@@ -131,7 +131,14 @@ def open_cache(path: str, image_size=None, random_flip: bool = True, seed: int =
     return LatentDataset(path, image_size, random_flip, seed)
 
 
+def pixel_channels(path: str, cfg=None) -> int:
+    """The channels a pixel-space model sees of the cache at `path`: a pixel-space cache's (its latents are the
+    pixels, --vae none), else 3."""
+    manifest = read_manifest(path)
+    return manifest["latent_shape"][0] if str(manifest["vae"]).lower() == "none" else 3
+
+
 LATENTS = DatasetSpec("latents", "a latent cache written by preprocess.py (its manifest gives the image size, VAE "
                                  "and classes; .npy shards, or tar shards streamed)", open_cache,
                       path="a cache folder written by preprocess.py", cache=True,
-                      settings=("shuffle_buffer", "stream_partitions", "shard_cache"))
+                      settings=("shuffle_buffer", "stream_partitions", "shard_cache"), probe=pixel_channels)

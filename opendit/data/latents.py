@@ -11,7 +11,9 @@ Layout of a cache folder:
     r000-00000.label.npy             int64 [n]
     r000-00000.caption.npy           str [n] (sources with captions)
     r000-00000.<name>.npy            whatever else the family's encoders give per item, in the manifest's
-                                     "embeddings" order (FLUX: t5 [n, L, D], clip [n, D])
+                                     "embeddings" order (FLUX: t5 [n, L, D], clip [n, D]; a cache of editing
+                                     pairs: its controls' posterior means, control_mean [n, K, C, h, w], with
+                                     "controls_per_target" K and the control folder in the manifest)
     extra.<name>.npy                 arrays stored once ("extras"; FLUX: the empty caption's embeddings)
 
 Storing mean and std (not one sample, as fast-DiT does) lets every epoch draw a fresh posterior
@@ -114,6 +116,7 @@ class LatentDataset(Dataset):
         self.latent_shape = tuple(m["latent_shape"])  # (C, h, w)
         self.channels = self.latent_shape[0]
         self.num_classes = m["num_classes"]
+        self.controls_per_target = int(m.get("controls_per_target", 0))  # a cache of editing pairs: K
         self.classes = m["classes"]
         self.flip_both = bool(m["flip_both"])
         self.captions = bool(m.get("captions", False))

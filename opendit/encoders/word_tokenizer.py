@@ -44,11 +44,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['co
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
 
-def chat_word_tokenizer(words, max_length: int = 512):
+WORDS = r"\w+|[^\w\s]+|\n"  # words, punctuation and each line break
+
+
+def chat_word_tokenizer(words, max_length: int = 512, pieces: str = WORDS):
     """A word-level fast tokenizer with a Qwen-style chat template (<|im_start|>role text<|im_end|>, padding with
     <|endoftext|>, nothing appended), for the tiny Qwen text encoders of FLUX.2 [klein], Z-Image and Qwen-Image, whose
     pipelines format prompts with tokenizer.apply_chat_template or a template of their own. Words as
-    t5_word_tokenizer takes them."""
+    t5_word_tokenizer takes them; `pieces`: the regex of the pieces a text splits into."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,9 +59,9 @@ def chat_word_tokenizer(words, max_length: int = 512):
     vocab = {w: i for i, w in enumerate(CHAT_SPECIAL + vocab_words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    # words, punctuation and each line break: a Qwen tokenizer's count of a template's tokens (Qwen-Image's
-    # pipeline drops its system prompt's first 34)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    # by default a Qwen tokenizer's count of a template's tokens (Qwen-Image's pipeline drops its system prompt's
+    # first 34)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pieces), behavior="removed", invert=True)
     out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
                                   model_max_length=max_length)

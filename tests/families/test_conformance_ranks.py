@@ -23,7 +23,17 @@ def has_plan(family: str) -> bool:
 
 
 # editing rows: a model that takes references, trained on the edit-digits pairs (reference tokens in the split)
-EDITING = {"flux1-kontext-debug-diffusers": "flux1", "flux2-klein-debug": "flux2"}
+EDITING = {"flux1-kontext-debug-diffusers": "flux1", "flux2-klein-debug": "flux2", "flux3-debug": "flux3",
+           "qwen-image-edit-debug": "qwenimage"}
+
+
+def edit_vae(model: str, folder) -> dict:
+    """The options of an editing row whose model cannot edit in pixel space: a tiny VAE of its class at 64 px (FLUX.3
+    normalises by its VAE's statistics; Qwen-Image-Edit hands references to its VAE at about 1024 x 1024)."""
+    from tests.families.test_editing_qwen import save_tiny_qwen_vae_16x
+    from tests.test_flux2_family import save_tiny_flux2_vae
+    writers = {"flux3-debug": save_tiny_flux2_vae, "qwen-image-edit-debug": save_tiny_qwen_vae_16x}
+    return dict(vae=writers[model](folder / "vae"), image_size=64, batch_size=2) if model in writers else {}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,7 @@ def losses(tmp_path_factory):
         fam, folder = FAMILIES[family], root / row.replace("/", "_")
         words = dataset or ("moving_digits" if "moving_digits" in fam.datasets else "digits")
         options = run_options(family, dict(text_encoder=write_text_encoder(model, folder / "text", words)))
-        options |= dict(model=model, dataset=dataset) if dataset else {}
+        options |= dict(model=model, dataset=dataset, **edit_vae(model, folder)) if dataset else {}
         cfg = fam.resolve_config(cfglib.TrainConfig(**options, outputs="unused"))
         torch.manual_seed(0)
         built = fam.build_model(cfg, fam.latent_shape(cfg, fam.load_encoders(cfg, torch.device("cpu"), True)))

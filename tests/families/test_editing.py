@@ -313,3 +313,25 @@ def test_flux2_trains_on_two_controls_a_target_and_samples_them_as_its_pipeline(
                   latents=torch.randn(2, *loaded.latent_shape, generator=sampling_generator(0, 0))).images
     assert ours.shape == (2, 64, 64, 3)
     assert np.array_equal(ours, (theirs * 255).round().astype(np.uint8))
+
+
+@pytest.mark.parametrize("family, arch, pipeline, model", [
+    ("flux1", "FLUX1_DEV", "FluxKontextPipeline", "flux1-kontext-dev-diffusers"),
+    ("flux1", "FLUX1_DEV", "FluxPipeline", "flux1-dev-diffusers"),
+    ("qwenimage", "QWEN_IMAGE", "QwenImageEditPlusPipeline", "qwen-image-edit-2509"),
+    ("qwenimage", "QWEN_IMAGE", "QwenImagePipeline", "qwen-image")])
+def test_a_pipeline_folder_names_which_model_of_one_architecture_it_holds(tmp_path, family, arch, pipeline, model):
+    """FLUX.1-dev and Kontext [dev], Qwen-Image and Qwen-Image-Edit-2509 share an architecture: a pipeline folder's
+    model_index.json (its pipeline class) tells them apart; an edit-only model's run defaults to pairs."""
+    import importlib
+    import json
+
+    from opendit.families import FAMILIES
+    config = getattr(importlib.import_module(f"opendit.families.wrapped.{family}"), arch)
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": FAMILIES[family].glue.transformer_class, **config}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    settings, _ = FAMILIES[family].recognize_checkpoint(str(tmp_path))
+    assert settings["model"] == model
+    assert settings["dataset"] == ("edit_pairs" if model.startswith("qwen-image-edit") else "captions")

@@ -32,7 +32,8 @@ def tokens_to_grid(out: torch.Tensor, shape) -> torch.Tensor:
 class Feed:
     """How one model is fed, each the pipeline's own way:
     encode(text: glue.TextEncoder, captions, device) -> {condition: [B, ...]} (a mask, named mask..., as bool; padded
-      to the model's max_sequence_length, so that caption dropout can swap any two);
+      to the model's max_sequence_length, so that caption dropout can swap any two); with Declared.prompt_references
+      also given references= (each caption's reference images, PIL);
     to_model(vae, z) -> what the model denoises, [B, C', h', w'] (z: a VAE posterior sample, or pixels);
     forward(model, x, t, cond) -> the forward's keyword arguments at noise level t [B] in [0, 1];
     call(constants, sample_cfg, cond, negative) -> the pipeline's __call__ arguments beyond latents, steps, size and
@@ -109,8 +110,9 @@ class Declared:
     parallel_plan: object = None  # context_parallel.diffusers_plan(...), or None: it cannot be split
     derived: Mapping[str, Callable] = field(default_factory=dict)  # {arch key: f(arch)} the run's channels decide
     # (block list, modules) the last block computes for nothing, or a regex over the names of parameters the
-    # forward never reaches (a branch of the model the family does not feed)
-    unused: tuple[str, tuple[str, ...]] | str | None = None
+    # forward never reaches (a branch of the model the family does not feed); or f(pairs) -> one of those, where a
+    # run on editing pairs (pairs True) feeds a branch that a text-to-image run leaves unused
+    unused: tuple[str, tuple[str, ...]] | str | Callable | None = None
     repair: Callable | None = None  # model -> model, once built (what diffusers' class gets wrong on the meta device)
     # () -> a subclass of `pipeline` that samples in its place where diffusers' own cannot be handed the feed's
     # conditions (Ideogram 4's takes prompt strings alone) or the run's latents and size (Kandinsky 5's); the feed's
@@ -138,6 +140,14 @@ class Declared:
     # images in one pipeline call, PIL; or None, height, width) -> the pipeline's arguments that hand them over
     reference_call: Callable | None = None
     references_per_sample: bool = False  # its pipeline takes each sample's references; else one set per call
+    one_prompt_per_call: bool = False  # its pipeline samples one prompt per call (QwenImageEditPlusPipeline)
+    references_required: bool = False  # it only edits: trains on pairs, samples with --image
+    # its prompt embedding also sees the references: feed.encode(text, captions, device, references=each caption's
+    # reference images, PIL)
+    prompt_references: bool = False
+    # (a sample's reference images, PIL) -> [K, C, H, W] in [-1, 1] as its pipeline hands them to the VAE (resized to
+    # an area of its own), where it does not take them at the sample's size
+    reference_pixels: Callable | None = None
 
 
 class DeclaredGlue(ModelGlue):
@@ -154,7 +164,9 @@ class DeclaredGlue(ModelGlue):
         self.official_key, self.official_converter = d.official_key, d.official_converter
         self.run_keys = tuple(dict.fromkeys(("in_channels", *d.derived)))
         self.pipeline_options = {k: dict(v) for k, v in d.pipeline_options.items()}
-        self.references_per_sample = d.references_per_sample
+        self.references_per_sample, self.one_prompt_per_call = d.references_per_sample, d.one_prompt_per_call
+        self.references_required, self.prompt_references = d.references_required, d.prompt_references
+        self.reference_pixels = d.reference_pixels
         self.models = {n: WrappedSpec(n, d.family, None, dict(s.arch), dict(s.constants)) for n, s in d.models.items()}
 
     def __call__(self, **config) -> nn.Module:
@@ -177,10 +189,11 @@ class DeclaredGlue(ModelGlue):
         names = self.d.kohya_names
         return None if names is None else names(keys) if callable(names) else dict(names)
 
-    def unused_parameters(self, model):
-        if isinstance(self.d.unused, str):
-            return [n for n, _ in model.named_parameters() if re.match(self.d.unused, n)]
-        return [] if self.d.unused is None else last_block_parameters(model, *self.d.unused)
+    def unused_parameters(self, model, pairs: bool = False):
+        unused = self.d.unused(pairs) if callable(self.d.unused) else self.d.unused
+        if isinstance(unused, str):
+            return [n for n, _ in model.named_parameters() if re.match(unused, n)]
+        return [] if unused is None else last_block_parameters(model, *unused)
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def text_encoder(self, path, device, dtype, model) -> TextEncoder:
@@ -205,8 +218,9 @@ class DeclaredGlue(ModelGlue):
             how = f", or for {model}: python -m opendit.families.wrapped.tiny_text {model} DIR" if tiny else ""
             raise ValueError(f"--text_encoder {path}: a {found}, not the {words} (its pipeline folder{how})")
 
-    def encode_prompts(self, encoder, captions, device) -> dict:
-        return self.feed.encode(encoder, list(captions), device)
+    def encode_prompts(self, encoder, captions, device, references=None) -> dict:
+        given = {} if references is None else {"references": references}
+        return self.feed.encode(encoder, list(captions), device, **given)
 
     def random_conditions(self, spec, batch, device) -> dict:
         def dim(d):

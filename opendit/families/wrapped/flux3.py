@@ -1,10 +1,9 @@
-"""FLUX.3 (Black Forest Labs, 2026) text-to-image through diffusers' own Flux3Transformer2DModel and its modular
-pipeline (Flux3ModularPipeline running Flux3AutoBlocks; diffusers has no classic pipeline for it). The reference-image
-mode (image_cond_* inputs) is not trained here: its branch of the model (x_embedders.image_cond, mode_blocks.image_cond,
-the image_cond modulations) is frozen.
+"""FLUX.3 (Black Forest Labs, 2026) text-to-image and editing through diffusers' own Flux3Transformer2DModel and its
+modular pipeline (Flux3ModularPipeline running Flux3AutoBlocks; diffusers has no classic pipeline for it).
 
-The model: per-mode blocks (the text tokens and the image tokens each attend within themselves), then joint single
-blocks over [text; image], modulated per token: the image tokens by the flow time t, the text by time 0.
+The model: per-mode blocks (the text tokens, the image tokens and an edit's reference-image tokens each attend within
+themselves), then joint single blocks over [text; image; references], modulated per token: the image tokens by the
+flow time t, the text and the references by time 0.
 
 Prompts are the pipeline's own (Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds): the prompt in Qwen3-VL's chat
 template, its hidden states at layers 4, 8, ..., 32 stacked per token (8 x 2560 = 20480 wide for Qwen3-VL-4B). FLUX.3
@@ -26,9 +25,21 @@ shift of 6.93) and its guider (classifier-free guidance: --cfg_scale is its guid
 prompt upsampler (a Qwen3.5-9B that rewrites prompts; opendit trains on captions as they are). The step-distilled
 release (flow_map=True, Flux3DistilledModularPipeline) is not registered.
 
+Editing: a run on editing pairs feeds the reference-image branch (x_embedders.image_cond, mode_blocks.image_cond, the
+image_cond modulations) and trains it; a text-to-image run never reaches it and keeps it frozen. The controls are
+encoded as the pipeline's VAE-encoder step encodes its `image` (the posterior's mode, patched and normalised: to_model)
+and go in as Flux3PrepareImageCondLatentsStep hands them over: image_cond_hidden_states, reference k's tokens after
+those of the ones before it, and image_cond_ids, each reference's grid ids with l = -(k + 1); the loss covers the
+target's tokens (the model outputs no others). Sampling (sample.py --image) hands the references to the pipeline as its
+`image`, one set for a call's whole batch, at the sample size. The pipeline pads a single reference to at least 64 px a
+side (and fits it under 4 megapixels), and fits each of several under 1 megapixel: between those sizes it encodes the
+references as training encodes the controls. LoRA adapts the same Linears in either run: the reference branch gets no
+adapters by default (a text-to-image run never reaches them); --lora_targets may add its blocks' to an editing run.
+
 Not split for sequence parallelism: diffusers' class has no `_cp_plan`, and opendit has not written one. Its block
 lists are txt_mode_blocks and single_transformer_blocks: mode_blocks is a ModuleDict of lists, which opendit's block
-lists do not reach, so the image's per-mode blocks are checkpointed, compiled and sharded with the root module.
+lists do not reach, so the per-mode blocks of the image and the references are checkpointed, compiled and sharded
+with the root module.
 """
 import torch
 
@@ -70,12 +81,27 @@ def to_model(vae, z):
 
 
 def forward(model, x, t, cond) -> dict:
+    """The pipeline's packing and 4-D position ids; an editing pair's references [B, K, C', h', w'] as
+    Flux3PrepareImageCondLatentsStep passes them: their tokens one reference after another [B, K h' w', C'], reference
+    k's ids those of its grid with l = -(k + 1)."""
     from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
     _, _, h, w = x.shape
     embeds = cond["embeds"]
-    return dict(hidden_states=pack(x), encoder_hidden_states=embeds, timestep=t,
-                img_ids=_prepare_image_ids(h, w, IMAGE_ROPE_SCALE).to(x.device),
-                txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(embeds).to(x.device), return_dict=False)
+    given = dict(hidden_states=pack(x), encoder_hidden_states=embeds, timestep=t,
+                 img_ids=_prepare_image_ids(h, w, IMAGE_ROPE_SCALE).to(x.device),
+                 txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(embeds).to(x.device), return_dict=False)
+    if "references" in cond:
+        references = cond["references"].unbind(1)
+        ids = [_prepare_image_ids(*r.shape[-2:], IMAGE_ROPE_SCALE, l_coord=-(k + 1)) for k, r in enumerate(references)]
+        given |= dict(image_cond_hidden_states=torch.cat([pack(r) for r in references], dim=1),
+                      image_cond_ids=torch.cat(ids).to(x.device))
+    return given
+
+
+def reference_call(references, height: int, width: int) -> dict:
+    """The pipeline's `image`: the reference images of the call's samples (one set for its whole batch: its
+    VAE-encoder step encodes each once, its input step repeats the latents to the batch)."""
+    return {} if references is None else dict(image=references[0])
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:
@@ -127,21 +153,28 @@ def _processor(tokenizer):
     return found
 
 
+# the reference-image branch: what a text-to-image run never reaches
+IMAGE_COND = r"(x_embedders|mode_blocks|early_stream_modulations|single_stream_modulations)\.image_cond\."
+# at most 10 reference images: diffusers' FLUX.3 prompt upsampler (modular_pipelines/flux3/prompt_upsampler.py,
+# MAX_REFERENCES, from BFL's flux3/pup.py; Flux3AutoBlocks' `image`: "at most 10"); its VAE-encoder and image-cond
+# steps and the transformer take any number (the references told apart by l = -1, -2, ...)
+REFERENCES = 10
 # sampling defaults: the pipeline's (50 steps, its guider's guidance_scale 3.5); text_params: Qwen3-VL-4B's (about)
 MODEL = Declared(
     family="flux3", title="FLUX.3", transformer="Flux3Transformer2DModel", pipeline="Flux3ModularPipeline",
     models={"flux3": Size(FLUX3, dict(max_sequence_length=640, text_layers=TEXT_LAYERS, steps=50, cfg_scale=3.5,
-                                      text_params=4.44e9)),
+                                      text_params=4.44e9, references=REFERENCES)),
             "flux3-debug": Size(FLUX3_DEBUG, dict(max_sequence_length=16, text_layers=(1, 2, 3), steps=20,
-                                                  cfg_scale=3.5, text_params=0, tiny_text="qwen3-vl+processor"))},
-    feed=Feed(encode, to_model, forward, call), make_pipeline=ModularAsClassic,
+                                                  cfg_scale=3.5, text_params=0, tiny_text="qwen3-vl+processor",
+                                                  references=REFERENCES))},
+    feed=Feed(encode, to_model, forward, call), reference_call=reference_call, make_pipeline=ModularAsClassic,
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"},
     conditions={"embeds": ("L", "joint_attention_dim")},
     scheduler=SCHEDULER, vae="AutoencoderKLFlux2", vae_size=(32, 84e6), packed_latents=False,
     derived={"cond_in_channels": lambda arch: arch["in_channels"]},  # references go through the same VAE
-    unused=r"(x_embedders|mode_blocks|early_stream_modulations|single_stream_modulations)\.image_cond\.",
+    unused=lambda pairs: None if pairs else IMAGE_COND,  # trained on editing pairs, else frozen
     # attention and feed-forward Linears of the per-mode blocks (text, image) and of the joint blocks, as peer
-    # trainers target FLUX.2's (the image_cond blocks: frozen)
+    # trainers target FLUX.2's; not the image_cond blocks, which a text-to-image run never reaches (module docstring)
     lora_targets=(r"(txt_mode_blocks|mode_blocks\.image|single_transformer_blocks)\.\d+\."
                   r"(attn\.(to_[qkv]|to_out\.0)|ff\.linear_(in|out))"),
     # BFL's single files: their modulation heads end in .lin (diffusers: .linear)

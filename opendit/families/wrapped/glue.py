@@ -158,6 +158,10 @@ class ModelGlue:
     official_key: str | tuple[str, ...] = ""  # (or keys, all of them)
     official_converter: str = ""
     references_per_sample: bool = False  # an editing model's pipeline takes each sample's references in one call
+    one_prompt_per_call: bool = False  # its pipeline samples one prompt per call
+    references_required: bool = False  # it only edits: trains on pairs, samples with --image
+    prompt_references: bool = False  # its prompt embedding also sees the reference images
+    reference_pixels = None  # (reference images, PIL) -> [K, C, H, W] as its pipeline gives them to the VAE
     # config keys the run decides (from its latent channels), not compared when naming a diffusers folder's model
     run_keys: tuple[str, ...] = ("in_channels",)
 
@@ -196,17 +200,20 @@ class ModelGlue:
         Z-Image, Qwen-Image)."""
         return None
 
-    def unused_parameters(self, model) -> list[str]:
-        """Parameters the forward computes with but whose result it discards (they never get a gradient): frozen, so
-        every plugin and the optimizer's checkpoint treat the model as fully used."""
+    def unused_parameters(self, model, pairs: bool = False) -> list[str]:
+        """Parameters the forward computes with but whose result it discards (they never get a gradient; `pairs`: in
+        a run on editing pairs): frozen, so every plugin and the optimizer's checkpoint treat the model as fully
+        used."""
         return []
 
     def text_encoder(self, path: str, device, dtype, model: str) -> TextEncoder:
         raise NotImplementedError
 
-    def encode_prompts(self, encoder: TextEncoder, captions: list[str], device) -> dict[str, torch.Tensor]:
+    def encode_prompts(self, encoder: TextEncoder, captions: list[str], device, references=None
+                       ) -> dict[str, torch.Tensor]:
         """captions -> their conditions {name: float32 or bool [B, ...]} on device, as the pipeline's encode_prompt
-        makes them (FLUX.2: {"embeds": [B, L, D]}; a masked encoder adds "mask": [B, L])."""
+        makes them (FLUX.2: {"embeds": [B, L, D]}; a masked encoder adds "mask": [B, L]); where the prompt sees the
+        reference images (prompt_references), each caption's (PIL) in `references`."""
         raise NotImplementedError
 
     def load_vae(self, path: str, device):

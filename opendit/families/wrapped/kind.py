@@ -16,8 +16,10 @@ sequence without noise; the loss covers the target's tokens only.
 """
 import dataclasses
 import functools
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,15 +30,16 @@ from safetensors import safe_open
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
 from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, EDIT_DIGITS, EDIT_PAIRS, LATENTS, dataset_map
+from opendit.data.latents import MANIFEST, read_manifest
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
 from opendit.encoders.vae import posterior_sample
 from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.wrapped.cache import CachedConditions
+from opendit.families.wrapped.cache import CONTROL_MEAN, CachedConditions, cached_references
 from opendit.families.wrapped.first_block_cache import DEFAULT_THRESHOLD, first_block_cache
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
-from opendit.families.wrapped.references import reference_images, reference_latents, reference_sets
+from opendit.families.wrapped.references import control_images, reference_images, reference_latents, reference_sets
 from opendit.options import opt
 from opendit.seeding import sampling_generator
 
@@ -58,6 +61,8 @@ class WrappedTrainOptions:
 @dataclass(frozen=True)
 class WrappedCacheOptions:
     text_encoder: str = opt("none", TEXT_HELP + ": the --model's, whose prompt embeddings a cache stores")
+    control_directory: str | None = opt(None, "editing pairs (--dataset edit_pairs): the folder of control images, "
+                                              "each named as its target; the cache stores their latents")
 
 
 @dataclass(frozen=True)
@@ -89,11 +94,11 @@ class WrappedEncoders:
     cached: tuple[str, ...] = ()  # training on a cache: the names of its conditions, in its items' order
     dtypes: dict = field(default_factory=dict)  # and their dtypes (a cache stores masks as floats)
 
-    def encode(self, captions: list[str], device) -> dict[str, torch.Tensor]:
+    def encode(self, captions: list[str], device, references=None) -> dict[str, torch.Tensor]:
         """captions -> the prompt's conditions {name: [B, ...]} on device (glue.encode_prompts, run where the text
-        encoder is)."""
+        encoder is); references: each caption's reference images (PIL), where the prompt sees them."""
         found = self.text(captions) if isinstance(self.text, FixedPrompts) else \
-            self.glue.encode_prompts(self.text, captions, self.text.device)
+            self.glue.encode_prompts(self.text, captions, self.text.device, references)
         return {k: v.to(device) for k, v in found.items()}
 
     def from_cache(self, arrays, device) -> dict[str, torch.Tensor]:
@@ -119,21 +124,32 @@ class WrappedObjective:
     def prepare(self, batch, device, train: bool = True):
         """-> (x [B, C', h', w'], the conditions): the prompts' (caption dropout applied) and an editing pair's
         controls in model space ("references")."""
-        vae = self.encoders.vae
+        vae, references = self.encoders.vae, None
+        seen = self.pairs and self.glue.prompt_references  # the prompt sees the controls (not from a cache)
         if isinstance(batch[0], (list, tuple)):  # a cache: one posterior sample, drawn as encode_images draws it
-            z = posterior_sample(*(t.to(device, non_blocking=True) for t in batch[0]))
+            mean, std = (t.to(device, non_blocking=True) for t in batch[0])
+            z = mean if isinstance(vae, PixelSpace) else posterior_sample(mean, std)  # pixels: as they are
             cond = self.encoders.from_cache(batch[3:], device)
+            if CONTROL_MEAN in cond:  # a cache of pairs: the controls' posterior means [B, K, C, h, w]
+                references = cached_references(self.glue, vae, cond.pop(CONTROL_MEAN))
         else:
             images = batch[0].to(device, non_blocking=True)
             z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
-            cond = self.encoders.encode(list(batch[-1]), device)  # the captions: last in an image's or a clip's item
+            # the captions: last in an image's or a clip's item
+            cond = None if seen else self.encoders.encode(list(batch[-1]), device)
         x = self.glue.to_model_space(vae, z).float()
         p = self.cfg.caption_dropout_prob if train else 0.0
         drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
-        empty = self.encoders.empty_conditions(device)
-        cond = {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
+        if seen:  # the instruction dropped, not the pictures the prompt shows
+            captions = ["" if dropped else c for dropped, c in zip(drop.tolist(), batch[-1])]
+            cond = self.encoders.encode(captions, device, control_images(batch[1]))
+        else:
+            empty = self.encoders.empty_conditions(device)
+            cond = {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
         if self.pairs:  # (targets, controls, instructions)
             cond["references"] = reference_latents(self.glue, vae, batch[1].to(device, non_blocking=True))
+        if references is not None:  # a cache's, never dropped either
+            cond["references"] = references
         return x, cond
 
     def losses(self, model, x, cond, t_frac=None, noise=None):
@@ -186,13 +202,30 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
-        if self.dataset_spec(cfg).pairs and cfg.model in self.models and not self.references(cfg.model):
+        pairs = self.dataset_spec(cfg).pairs
+        if self.glue.references_required and cfg.model in self.models and self.references(cfg.model):
+            if not pairs:
+                raise ValueError(f"--dataset {cfg.dataset}: {cfg.model} edits images, it trains on editing pairs "
+                                 f"(--dataset edit_pairs with --control_directory, or the edit_digits demo)")
+            if getattr(cfg, "sample_every", 0):
+                raise ValueError(f"--sample_every {cfg.sample_every}: {cfg.model} samples only with reference "
+                                 f"images, which previews do not give yet; leave it out and sample checkpoints with "
+                                 f"sample.py --image")
+        if pairs and cfg.model in self.models and not self.references(cfg.model):
             editing = [n for n in self.models if self.references(n)]
             raise ValueError(f"--dataset {cfg.dataset}: {cfg.model} takes no reference image, so it cannot learn from "
                              f"editing pairs; " + (f"train {' or '.join(editing)}" if editing else
                                                    f"no {self.name} model does (README's models table names those "
                                                    f"that do)"))
         return dataclasses.replace(super().fill_defaults(cfg), num_classes=0)
+
+    def trains_on_pairs(self, cfg) -> bool:
+        """Whether the run's data are editing pairs: a dataset of pairs, or a latent cache of them (its manifest
+        counts their controls)."""
+        spec = self.dataset_spec(cfg)
+        if spec.cache and cfg.data_path and os.path.isfile(os.path.join(cfg.data_path, MANIFEST)):
+            return read_manifest(cfg.data_path).get("controls_per_target", 0) > 0
+        return spec.pairs
 
     def references(self, model: str) -> int:
         """How many reference images the registered `model` takes (0: none)."""
@@ -220,6 +253,10 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     def load_data(self, cfg: WrappedTrainOptions, encoders):
         dataset, cfg = super().load_data(cfg, encoders)
         controls = getattr(dataset, "controls_per_target", 0)
+        if controls and self.glue.reference_pixels is not None and isinstance(encoders.vae, PixelSpace):
+            raise ValueError(f"--vae none (pixel space): {cfg.model}'s pipeline hands its references to the VAE at an "
+                             f"area of its own (about 1024 x 1024), hundreds of thousands of tokens in pixel space; "
+                             f"give --vae (the vae/ of its pipeline folder)")
         if controls > self.references(cfg.model):
             raise ValueError(f"{cfg.data_path or cfg.dataset}: {controls} controls per target; {cfg.model} takes "
                              f"{self.references(cfg.model)} reference image(s): keep that many per target")
@@ -257,7 +294,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     def build_model(self, cfg: WrappedTrainOptions, latent_shape):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
-        for name in self.glue.unused_parameters(model):
+        for name in self.glue.unused_parameters(model, pairs=self.trains_on_pairs(cfg)):
             model.get_parameter(name).requires_grad_(False)
         # (text, image or video) tokens per sample, for the FLOP count
         tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.patch_size(cfg) ** 2
@@ -324,12 +361,18 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         differ = {n: [k for k, v in spec.arch.items()
                       if k not in self.glue.run_keys and _same(config.get(k), v) is False]
                   for n, spec in self.models.items()}
-        name = next((n for n, keys in differ.items() if not keys), None)
-        if name is None:
+        matching = [n for n, keys in differ.items() if not keys]
+        if not matching:
             raise ValueError(f"{folder}: a {config['_class_name']} that no registered {self.name} model matches "
                              f"(each differs in: {differ}); opendit trains {', '.join(self.models)}")
-        settings = dict(model=name, dataset="captions", image_size=1024)
         root = Path(path)
+        # models of one architecture (FLUX.1-dev and Kontext, Qwen-Image and its edit models): a pipeline folder's
+        # pipeline class tells them apart
+        index = root / "model_index.json"
+        pipeline = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+        name = next((n for n in matching if self.glue.pipeline_name(n) == pipeline), matching[0])
+        edits = self.glue.references_required and self.references(name)
+        settings = dict(model=name, dataset="edit_pairs" if edits else "captions", image_size=1024)
         if folder != str(root):  # a pipeline folder: its other components
             for key, sub in (("vae", "vae"), ("text_encoder", "text_encoder"), ("scheduler", "scheduler")):
                 if (root / sub).is_dir():
@@ -347,6 +390,9 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
         """The pipeline samples and decodes: opendit's options that hook either are refused, not ignored; --cache
         fbcache is diffusers' own First Block Cache."""
         references = None
+        if sample_cfg.image is None and self.glue.references_required and self.references(cfg.model):
+            raise ValueError(f"{cfg.model} edits images: give the reference image(s) with --image (a file, files "
+                             f"joined by commas, or a folder with one per prompt)")
         if sample_cfg.image is not None:
             if not self.references(cfg.model):
                 raise ValueError(f"--image {sample_cfg.image}: {cfg.model} takes no reference image; leave --image "
@@ -378,15 +424,13 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
     @torch.no_grad()
     def sample_batch(self, loaded, sampler, indices, conditions, sample_cfg, device) -> np.ndarray:
         """The pipeline's images (its own decoding and post-processing, as its PIL images are) for global indices;
-        the noise from (seed, first index), the prompt embeddings from the family's encoder; an editing model's
-        samples in one pipeline call, or one per set of reference images where its pipeline gives one set to its
-        whole batch (glue.references_per_sample False)."""
+        the noise from (seed, first index), the prompt embeddings from the family's encoder (an editing model's
+        with the references, where its prompt sees them); an editing model's samples in one pipeline call, one per
+        set of reference images where its pipeline gives one set to its whole batch (glue.references_per_sample
+        False), or one per prompt (glue.one_prompt_per_call)."""
         enc, (h, w) = loaded.encoders, loaded.latent_shape[-2:]
         noise = torch.randn(len(indices), *loaded.latent_shape,
                             generator=sampling_generator(sample_cfg.seed, indices.start))
-        cond = enc.encode([conditions[i % len(conditions)] for i in indices], device)
-        negative = {k: v.expand(len(indices), *v.shape[1:]) for k, v in enc.encode([sample_cfg.negative_prompt],
-                                                                                   device).items()}
         scheduler = None if loaded.cfg.scheduler is None else _scheduler_folder(loaded.cfg.scheduler)
         pipe = self.glue.pipeline(loaded.model, enc.vae, scheduler, self.glue.pipeline_name(loaded.cfg.model),
                                   **self.glue.pipeline_components(sample_cfg))
@@ -398,9 +442,22 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
             return i % len(conditions) % len(sets)
         images_of = functools.cache(lambda k: None if sets[k] is None else
                                     reference_images(sets[k], height, width, grey))
-        rows_of: dict[int, list[int]] = {}  # {a call: the batch rows it samples}: one, or one per reference set
+        prompts = [conditions[i % len(conditions)] for i in indices]
+        if self.glue.prompt_references and sampler.references:  # each call's prompts see its references
+            def prompts_of(rows, given):
+                return (enc.encode([prompts[r] for r in rows], device, given),
+                        enc.encode([sample_cfg.negative_prompt] * len(rows), device, given))
+        else:
+            cond = enc.encode(prompts, device)
+            negative = {k: v.expand(len(indices), *v.shape[1:]) for k, v in enc.encode([sample_cfg.negative_prompt],
+                                                                                       device).items()}
+
+            def prompts_of(rows, given):
+                return {k: v[rows] for k, v in cond.items()}, {k: v[rows] for k, v in negative.items()}
+        rows_of: dict[int, list[int]] = {}  # {a call: the batch rows it samples}: one, one per reference set or row
         for row, i in enumerate(indices):
-            rows_of.setdefault(0 if self.glue.references_per_sample else set_of(i), []).append(row)
+            call = row if self.glue.one_prompt_per_call else 0 if self.glue.references_per_sample else set_of(i)
+            rows_of.setdefault(call, []).append(row)
         found = []
         for rows in rows_of.values():
             given = [images_of(set_of(indices[row])) for row in rows]
@@ -410,8 +467,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
                 images = pipe(latents=self.glue.pipeline_latents(noise[rows].to(device)),
                              num_inference_steps=sampler.steps, height=height, width=width, output_type="np",
                              **self.size_kwargs(loaded, noise[rows].shape), **references,
-                             **self.glue.pipeline_call(loaded, sample_cfg, {k_: v[rows] for k_, v in cond.items()},
-                                                       {k_: v[rows] for k_, v in negative.items()}))
+                             **self.glue.pipeline_call(loaded, sample_cfg, *prompts_of(rows, given)))
             found.append((np.asarray(images[0]) * 255).round().astype(np.uint8))  # as diffusers' numpy_to_pil
         out = np.concatenate(found)
         out[np.concatenate(list(rows_of.values()))] = out.copy()  # back in the rows' order

@@ -11,10 +11,23 @@ from opendit.images import image_paths
 
 def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Tensor:
     """Controls [B, K, C, H, W] in [-1, 1] -> [B, K, C', h', w'] in model space, as a pipeline encodes a reference
-    image: the posterior's mode (its mean; pixels themselves in pixel space), normalised and packed as latents are."""
+    image: resized as it resizes them (glue.reference_pixels, if it does), the posterior's mode (its mean; pixels
+    themselves in pixel space), normalised and packed as latents are."""
+    if glue.reference_pixels is not None:
+        controls = torch.stack([glue.reference_pixels(images) for images in control_images(controls)]
+                               ).to(controls.device)
     images = controls.flatten(0, 1)
     z = images if isinstance(vae, PixelSpace) else glue.posterior(vae, images)[0]
     return glue.to_model_space(vae, z.float()).float().unflatten(0, controls.shape[:2])
+
+
+def control_images(controls: torch.Tensor) -> list[list]:
+    """Controls [B, K, C, H, W] in [-1, 1] -> each sample's as PIL images (grey for one channel), the pixels they
+    were read from (a pipeline takes its reference images as PIL)."""
+    from PIL import Image
+    pixels = ((controls.detach().float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    pixels = pixels.permute(0, 1, 3, 4, 2).numpy()
+    return [[Image.fromarray(p[..., 0] if p.shape[-1] == 1 else p) for p in sample] for sample in pixels]
 
 
 def reference_sets(image: str, prompts: int, model: str, most: int) -> list[list[Path]]:

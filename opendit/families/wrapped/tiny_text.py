@@ -12,6 +12,12 @@ from pathlib import Path
 GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids 0-3
 
 
+def _link(root: Path, name: str, target) -> None:
+    """root/name -> target (a folder under root), relative: the folder still reads when moved or named relatively."""
+    if not (root / name).exists():
+        os.symlink(os.path.relpath(target, root), root / name)
+
+
 def _t5(folder, words):
     from opendit.families.flux.tiny_t5 import save_tiny_t5
     return save_tiny_t5(folder, words, max_length=16)
@@ -24,8 +30,7 @@ def _clip_and_t5(folder, words):
     root = Path(folder)
     t5, clip = _t5(root / "t5", words), save_tiny_clip(root / "clip", words=words)
     for name, target in (("text_encoder", clip), ("tokenizer", clip), ("text_encoder_2", t5), ("tokenizer_2", t5)):
-        if not (root / name).exists():
-            os.symlink(target, root / name)
+        _link(root, name, target)
     return str(root)
 
 
@@ -55,8 +60,7 @@ def _clip_clip_and_t5(folder, words):
     names = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"), ("text_encoder_3", "tokenizer_3"))
     for target, pair in zip(parts, names):
         for name in pair:
-            if not (root / name).exists():
-                os.symlink(target, root / name)
+            _link(root, name, target)
     return str(root)
 
 
@@ -73,6 +77,11 @@ def _mistral3(folder, words):
 def _qwen25vl(folder, words):
     from opendit.families.wrapped.qwenimage import save_tiny_qwen25vl
     return save_tiny_qwen25vl(folder, words)
+
+
+def _qwen25vl_processor(folder, words):
+    from opendit.families.wrapped.qwenimage import save_tiny_qwen25vl
+    return save_tiny_qwen25vl(folder, words, processor=True)
 
 
 def _hunyuanvideo15(folder, words):
@@ -187,8 +196,7 @@ def _qwen25vl_and_clip(folder, words):
     qwen, clip = save_tiny_qwen25vl(root / "qwen", words), save_tiny_clip(root / "clip", words=words, max_length=77)
     for name, target in (("text_encoder", qwen), ("tokenizer", qwen), ("text_encoder_2", clip),
                          ("tokenizer_2", clip)):
-        if not (root / name).exists():
-            os.symlink(target, root / name)
+        _link(root, name, target)
     return str(root)
 
 
@@ -253,7 +261,8 @@ def _gemma3_and_connectors(folder, words):
 
 
 WRITERS = {"t5": _t5, "clip+t5": _clip_and_t5, "clip+clip+t5": _clip_clip_and_t5, "qwen3": _qwen3,
-           "mistral3": _mistral3, "qwen2.5-vl": _qwen25vl, "hunyuanvideo1.5": _hunyuanvideo15, "umt5": _umt5,
+           "mistral3": _mistral3, "qwen2.5-vl": _qwen25vl, "qwen2.5-vl+processor": _qwen25vl_processor,
+           "hunyuanvideo1.5": _hunyuanvideo15, "umt5": _umt5,
            "qwen3-vl": _qwen3vl, "gemma2": _gemma2, "ministral3": _ministral3,
            "qwen3-vl+processor": _qwen3vl_processor, "kandinsky5": _qwen25vl_and_clip,
            "qwen-image-2.1": _qwen_image21, "gemma3+connectors": _gemma3_and_connectors}
