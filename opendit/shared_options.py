@@ -115,6 +115,10 @@ class StreamFields:
     caption_key: str | None = opt(None, "where a stream's caption is; json:FIELD reads a field of the sample's .json; "
                                         "default: txt,caption,text,json:caption,json:text")
     label_key: str | None = opt(None, "where a stream's class label is; default: cls,label,json:label,json:cls")
+    control_key: str | None = opt(None, "editing pairs from a stream (--dataset edit_webdataset, edit_parquet, "
+                                        "edit_hf): where a sample's controls are, a field of one image or a list of "
+                                        "them, or numbered (control_0.png, control_1.png, ...); default: control.jpg,"
+                                        "control.jpeg,control.png,control.webp,control_image,control_images,control")
     crop: str = opt("center", "streams: where the square crop sits after the resize", ("center", "random"))
     min_image_size: int = opt(0, "streams: skip (and count) images or clips whose shorter side is below this many "
                                  "pixels", check="nonneg")

@@ -39,6 +39,13 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
+def numbered(stem: str) -> tuple[str, int]:
+    """A control's name without its extension -> (the target's stem it belongs to, its place among that target's
+    controls): photo_2 -> ("photo", 2); photo -> ("photo", -1)."""
+    found = re.fullmatch(r"(.*)_(\d+)", stem)
+    return (found[1], int(found[2])) if found else (stem, -1)
+
+
 def scan_controls(root: str) -> dict[str, list[str]]:
     """{relative stem of the target: [control paths in order]} of a control folder: stem.ext, or stem_0.ext,
     stem_1.ext, ... (a numbered control sorts by its number)."""
@@ -48,8 +55,7 @@ def scan_controls(root: str) -> dict[str, list[str]]:
             if fname.startswith(".") or not fname.lower().endswith(IMAGE_EXTENSIONS):
                 continue
             stem = os.path.relpath(os.path.join(dirpath, os.path.splitext(fname)[0]), root)
-            numbered = re.fullmatch(r"(.*)_(\d+)", stem)
-            key, order = (numbered[1], int(numbered[2])) if numbered else (stem, -1)
+            key, order = numbered(stem)
             found.setdefault(key, []).append((order, os.path.join(dirpath, fname)))
     return {key: [path for _, path in sorted(paths)] for key, paths in found.items()}
 

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from opendit.data.latents import RERUN_HINT, LatentDataset, read_manifest
+from opendit.data.latents import MANIFEST, RERUN_HINT, LatentDataset, read_manifest
 from opendit.data.spec import DatasetSpec
 
 DONE = ".done.json"
@@ -133,7 +133,9 @@ def open_cache(path: str, image_size=None, random_flip: bool = True, seed: int =
 
 def pixel_channels(path: str, cfg=None) -> int:
     """The channels a pixel-space model sees of the cache at `path`: a pixel-space cache's (its latents are the
-    pixels, --vae none), else 3."""
+    pixels, --vae none), else 3 (also where no cache is written yet, as a memory plan asks: opening it names that)."""
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return 3
     manifest = read_manifest(path)
     return manifest["latent_shape"][0] if str(manifest["vae"]).lower() == "none" else 3
 

@@ -37,7 +37,7 @@ from opendit.seeding import mix_seed
 # the run's settings a dataset may set for itself (those of them its config class has)
 DATA_SETTINGS = ("image_size", "buckets", "bucket_area", "bucket_frames", "digits", "frame_interval",
                  "caption_extension", "image_key", "caption_key", "label_key", "hf_args", "min_image_size",
-                 "max_aspect", "min_caption_chars", "max_caption_chars", "crop", "control_directory")
+                 "max_aspect", "min_caption_chars", "max_caption_chars", "crop", "control_directory", "control_key")
 CAPTION_OPTIONS = {"trigger": str, "shuffle_tags": bool, "keep_tags": int, "caption_dropout": float}
 ENTRY_KEYS = {"kind": str, "path": str, "repeats": int, "name": str, "prior": bool, **CAPTION_OPTIONS}
 

@@ -42,6 +42,24 @@ def _pairs(root, targets: dict, controls: dict):
     return str(root / "targets"), str(root / "controls")
 
 
+def write_pairs(root, size: int = 16, channels: int = 1, count: int = 8) -> tuple[str, str]:
+    """`count` edit-digit pairs as files: root/t/ the targets with their instructions, root/c/ two controls each
+    (name_0: the pair's control, name_1: another digit); -> (targets folder, controls folder)."""
+    data = EditDigitsDataset(size, channels=channels)
+    (root / "t").mkdir(parents=True), (root / "c").mkdir()
+
+    def save(pixels, path):  # [C, H, W] in [-1, 1]
+        array = np.uint8(pixels.add(1).mul(127.5).round().permute(1, 2, 0).numpy())
+        Image.fromarray(array[..., 0] if channels == 1 else array).save(path)
+    for i in range(count):
+        target, control, caption = data[i]
+        save(target, root / "t" / f"{i}.png")
+        (root / "t" / f"{i}.txt").write_text(caption)
+        for k, image in enumerate((control[0], data[i + count][0])):
+            save(image, root / "c" / f"{i}_{k}.png")
+    return str(root / "t"), str(root / "c")
+
+
 def test_targets_meet_their_controls_by_name_and_the_unmatched_are_counted_and_named(tmp_path, caplog):
     targets, controls = _pairs(tmp_path, {"a": 10, "b": 20, "c": 30, "sub/d": 40},
                                {"a": ((12, 20), 110), "b": ((16, 16), 120), "sub/d": ((16, 16), 140),
@@ -283,19 +301,9 @@ def test_flux2_trains_on_two_controls_a_target_and_samples_them_as_its_pipeline(
     from opendit.inference import load_model
     from opendit.seeding import sampling_generator
     from tests.test_flux2_family import save_tiny_flux2_vae
-    data = EditDigitsDataset(16)
-    (tmp_path / "t").mkdir(), (tmp_path / "c").mkdir()
-
-    def save(pixels, path):
-        Image.fromarray(np.uint8(pixels.add(1).mul(127.5).round())).save(path)
-    for i in range(8):
-        target, control, caption = data[i]
-        save(target[0], tmp_path / "t" / f"{i}.png")
-        (tmp_path / "t" / f"{i}.txt").write_text(caption)
-        for k, image in enumerate((control[0, 0], data[i + 8][0][0])):  # a second control: another digit
-            save(image, tmp_path / "c" / f"{i}_{k}.png")
-    run = options(qwen3, model="flux2-klein-debug", dataset="edit_pairs", data_path=str(tmp_path / "t"),
-                  control_directory=str(tmp_path / "c"), image_size=64, vae=save_tiny_flux2_vae(tmp_path / "vae"))
+    targets, controls = write_pairs(tmp_path)
+    run = options(qwen3, model="flux2-klein-debug", dataset="edit_pairs", data_path=targets,
+                  control_directory=controls, image_size=64, vae=save_tiny_flux2_vae(tmp_path / "vae"))
     run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "2",
              "--outputs", tmp_path / "run")
     pair = [tmp_path / "c" / "0_0.png", tmp_path / "c" / "0_1.png"]

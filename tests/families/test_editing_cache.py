@@ -8,14 +8,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils.data import default_collate
 
 from opendit import config as cfglib
 from opendit.data import EditDigitsDataset
 from opendit.data.latent_shards import open_cache
 from opendit.families import FAMILIES
-from tests.families.test_editing import MODEL, options, qwen3, text_encoder  # noqa: F401  (qwen3, text_encoder: module fixtures)
+from tests.families.test_editing import MODEL, options, qwen3, text_encoder, write_pairs  # noqa: F401  (qwen3, text_encoder: module fixtures)
 from tests.run_each import losses_of, run_here
 from tests.test_train import run_trainer
 
@@ -73,29 +72,13 @@ def test_a_kontext_pixel_cache_of_the_edit_digits_trains_as_the_pairs_bitwise(tm
     assert losses_of(next((tmp_path / "cached").glob("000-*"))) == losses_of(next((tmp_path / "pairs").glob("000-*")))
 
 
-def _pair_folder(root):
-    """Eight edit-digit pairs as files: targets with their instructions, two controls each (name_0, name_1)."""
-    data = EditDigitsDataset(16)
-    (root / "t").mkdir(parents=True), (root / "c").mkdir()
-
-    def save(pixels, path):
-        Image.fromarray(np.uint8(pixels.add(1).mul(127.5).round())).save(path)
-    for i in range(8):
-        target, control, caption = data[i]
-        save(target[0], root / "t" / f"{i}.png")
-        (root / "t" / f"{i}.txt").write_text(caption)
-        for k, image in enumerate((control[0, 0], data[i + 8][0][0])):
-            save(image, root / "c" / f"{i}_{k}.png")
-    return str(root / "t"), str(root / "c")
-
-
 def test_a_flux2_cache_of_pairs_through_a_vae_trains_as_the_pairs_and_resumes(tmp_path, qwen3, one_thread):  # noqa: F811
     """Through a tiny AutoencoderKLFlux2: the same batch gives the pairs' losses to fp32 rounding (the VAE encodes
     other batches while caching); a tar-shard cache holds the same items; train.py on the cache runs (its preview
     too) and resumes exactly; the cache records its control folder and is refused with another one or another text
     encoder."""
     from tests.test_flux2_family import save_tiny_flux2_vae
-    targets, controls = _pair_folder(tmp_path)
+    targets, controls = write_pairs(tmp_path)
     vae, cache = save_tiny_flux2_vae(tmp_path / "vae"), tmp_path / "cache"
     run_here("preprocess.py", "--family", "flux2", "--model", "flux2-klein-debug", "--dataset", "edit_pairs",
              "--data_path", targets, "--control_directory", controls, "--image_size", "16", "--vae", vae,

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from opendit import config as cfglib
-from opendit.data import EditDigitsDataset
+from tests.families.test_editing import write_pairs
 from tests.run_each import run_here, sample_here
 from tests.test_train import run_trainer
 
@@ -95,19 +95,8 @@ def test_an_editing_run_trains_the_branch_resumes_exactly_and_samples_as_the_pip
     from opendit.families.wrapped.flux3 import SCHEDULER
     from opendit.inference import load_model
     from opendit.seeding import sampling_generator
-    data = EditDigitsDataset(16)
-    (tmp_path / "t").mkdir(), (tmp_path / "c").mkdir()
-
-    def save(pixels, path):
-        Image.fromarray(np.uint8(pixels.add(1).mul(127.5).round())).save(path)
-    for i in range(8):
-        target, control, caption = data[i]
-        save(target[0], tmp_path / "t" / f"{i}.png")
-        (tmp_path / "t" / f"{i}.txt").write_text(caption)
-        for k, image in enumerate((control[0, 0], data[i + 8][0][0])):  # a second control: another digit
-            save(image, tmp_path / "c" / f"{i}_{k}.png")
-    run = options(parts, dataset="edit_pairs", data_path=str(tmp_path / "t"), control_directory=str(tmp_path / "c"),
-                  image_size=64)
+    targets, controls = write_pairs(tmp_path)
+    run = options(parts, dataset="edit_pairs", data_path=targets, control_directory=controls, image_size=64)
     run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "2",
              "--ckpt_every", "2", "--outputs", tmp_path / "cli")
     trainer, full = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, outputs=str(tmp_path / "a")))

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from opendit import config as cfglib
+from tests.families.test_editing import write_pairs
 from tests.run_each import run_here, sample_here
 from tests.test_train import run_trainer
 
@@ -28,22 +29,10 @@ def save_tiny_qwen_vae_16x(folder) -> str:
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     """(text encoder folder, VAE folder, a folder of 6 pairs: 64-px targets with two controls each)."""
-    from opendit.data import EditDigitsDataset
     from opendit.families.wrapped.tiny_text import write_text_encoder
     root = tmp_path_factory.mktemp("qwen_edit")
     text = write_text_encoder(MODEL, root / "text", "edit_digits")
-    data = EditDigitsDataset(64, channels=3)
-    for sub in ("t", "c"):
-        (root / sub).mkdir()
-
-    def save(pixels, path):
-        Image.fromarray(np.uint8(pixels.permute(1, 2, 0).add(1).mul(127.5).round())).save(path)
-    for i in range(6):
-        target, control, caption = data[i]
-        save(target, root / "t" / f"{i}.png")
-        (root / "t" / f"{i}.txt").write_text(caption)
-        for k, image in enumerate((control[0], data[i + 6][1][0])):  # a second control: another digit
-            save(image, root / "c" / f"{i}_{k}.png")
+    write_pairs(root, size=64, channels=3, count=6)
     return text, save_tiny_qwen_vae_16x(root / "vae"), root
 
 

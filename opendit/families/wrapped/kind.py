@@ -29,7 +29,8 @@ from safetensors import safe_open
 
 from opendit.checkpoint import load_weights
 from opendit.checkpoint.folders import model_folder, read_config, read_safetensors
-from opendit.data import CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, EDIT_DIGITS, EDIT_PAIRS, LATENTS, dataset_map
+from opendit.data import (CAPTIONED_DIGITS, CAPTIONED_STREAMS, CAPTIONS, EDIT_DIGITS, EDIT_PAIRS, EDIT_STREAMS, LATENTS,
+                          dataset_map)
 from opendit.data.latents import MANIFEST, read_manifest
 from opendit.diffusion.flow import TIMESTEP_SAMPLINGS, RectifiedFlow
 from opendit.encoders.text import encoder_dtype
@@ -170,7 +171,8 @@ class PipelineSampler:
 
 class DiffusersFamily(CachedConditions, LatentImageFamily):
     """A family of one ModelGlue's models (see the module's docstring)."""
-    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS, EDIT_DIGITS, EDIT_PAIRS)
+    datasets = dataset_map(CAPTIONED_DIGITS, CAPTIONS, LATENTS, *CAPTIONED_STREAMS, EDIT_DIGITS, EDIT_PAIRS,
+                           *EDIT_STREAMS)
     samplers = ("euler",)  # the pipeline's scheduler (FLUX.2: FlowMatchEulerDiscreteScheduler)
     train_options = WrappedTrainOptions
     sample_options = WrappedSampleOptions
