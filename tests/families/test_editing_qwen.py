@@ -1,7 +1,8 @@
 """Qwen-Image-Edit (2509/2511) on editing pairs: the prompt sees the references as QwenImageEditPlusPipeline shows
 them to Qwen2.5-VL, the references join the sequence as its prepare_latents makes them (at its reference area), the
 loss covers the target; the CLI run with two controls a target trains, resumes exactly and samples as the pipeline
-itself does from the prompt strings and images (its own text encoder and processor); what an edit-only model refuses.
+itself does from the prompt strings and images (its own text encoder and processor); a latent cache of its pairs
+trains as the pairs; what an edit-only model refuses.
 The debug model edits through a tiny AutoencoderKLQwenImage that downsamples 16x (the release's: 8x): the pipeline
 hands references to the VAE at about 1024 x 1024 whatever the target's size, 1,024 tokens each here."""
 import numpy as np
@@ -135,6 +136,24 @@ def test_an_edit_run_trains_resumes_exactly_and_samples_as_the_pipeline(tmp_path
                       num_inference_steps=2, latents=pack(noise[i:i + 1]),
                       output_type="np").images
         assert np.array_equal(ours[i], (theirs[0] * 255).round().astype(np.uint8)), prompt
+
+
+def test_a_cache_of_its_pairs_trains_as_the_pairs(tmp_path, parts, one_thread):
+    """preprocess.py stores each pair's controls at the pipeline's reference area, its instruction's prompt with the
+    pictures and the empty instruction's with them (its caption dropout); a run on the cache loads no text encoder
+    and logs the losses of a run on the pairs (caption dropout at 0.5)."""
+    cache = tmp_path / "cache"
+    run = options(parts, max_steps=3, caption_dropout_prob=0.5)
+    run_here("preprocess.py", "--family", "qwenimage", "--model", MODEL, "--dataset", "edit_pairs", "--data_path",
+             run["data_path"], "--control_directory", run["control_directory"], "--image_size", "64", "--vae",
+             run["vae"], "--text_encoder", run["text_encoder"], "--out", cache, "--batch_size", "2",
+             "--num_workers", "0")
+    cached = {**run, "dataset": "latents", "data_path": str(cache)}
+    del cached["control_directory"]
+    trainer, on_cache = run_trainer(cfglib.TrainConfig(**cached, outputs=str(tmp_path / "c")))
+    assert trainer.encoders.text is None
+    _, on_pairs = run_trainer(cfglib.TrainConfig(**run, outputs=str(tmp_path / "p")))
+    np.testing.assert_allclose(on_cache, on_pairs, rtol=1e-5)
 
 
 def test_an_edit_only_model_refuses_what_it_cannot_do(parts, tmp_path):

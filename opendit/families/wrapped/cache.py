@@ -13,9 +13,12 @@ model is refused. Video models (opendit.families.wrapped.video) cache fixed clip
 
 A cache of editing pairs (--dataset edit_pairs --control_directory, edit_digits) also stores each pair's controls as
 their posterior means, unscaled (control_mean [K, C, h, w]: the mode a pipeline encodes a reference image with);
-training takes them to model space as reference_latents does and hands them to the forward as "references". It
-records its control folder (the manifest's source): a run that names another one is refused. In pixel space (--vae
-none) the cache holds the pixels themselves (std 0), which training takes as they are, as it takes pixels.
+training takes them to model space as reference_latents does and hands them to the forward as "references". A model
+whose prompt sees the controls (Qwen-Image-Edit) gets them resized as its pipeline hands them to its VAE, its prompt
+conditions encoded with the pictures, and per pair the empty instruction's with them (dropped_<key>: its caption
+dropout). It records its control folder (the manifest's source): a run that names another one is refused. In pixel
+space (--vae none) the cache holds the pixels themselves (std 0), which training takes as they are, as it takes
+pixels.
 """
 import dataclasses
 import os
@@ -25,9 +28,13 @@ import torch
 from opendit.data.captions import LabelledCaptions, distinct_captions
 from opendit.families.latent import is_none
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
+from opendit.families.wrapped.references import control_images, reference_inputs
 
 COND = "cond_"  # a cached condition's array name: cond_<the glue's key>
 CONTROL_MEAN = "control_mean"  # a cached pair's controls: their posterior means [K, C, h, w], unscaled
+# a cached pair's conditions of the empty instruction with its pictures (a model whose prompt sees the controls:
+# its caption dropout), dropped_<the glue's key>
+DROPPED = "dropped_"
 
 
 def cached_references(glue: ModelGlue, vae, control_mean: torch.Tensor) -> torch.Tensor:
@@ -75,10 +82,6 @@ class CachedConditions:
         if spec.pairs and cfg.flip_both:
             raise ValueError(f"--flip_both: a latent cache of editing pairs (--dataset {cfg.dataset}) holds each pair "
                              f"as it is (a flip would flip its controls too); leave --flip_both out")
-        if spec.pairs and self.glue.prompt_references:
-            raise ValueError(f"--dataset {cfg.dataset}: {cfg.model}'s prompt sees the controls, and its caption "
-                             f"dropout encodes the empty instruction with each pair's pictures; a latent cache of its "
-                             f"pairs is not written yet: train on the pairs themselves (leave preprocess.py out)")
         settings = {name: getattr(cfg, name) for name in spec.settings if hasattr(cfg, name)} if spec.pairs else {}
         dataset = spec(cfg.data_path, cfg.image_size, channels=self.source_channels(cfg, encoders), **settings)
         if cfg.buckets:
@@ -99,11 +102,15 @@ class CachedConditions:
         controls' [B, K, C, H, W] posterior means [B, K, C, h, w] (editing pairs)}, float32 on the CPU."""
         mean, std = self._posterior(encoders.vae, x)
         out = {"mean": mean.cpu(), "std": std.cpu()}
+        seen = None if controls is None or not self.glue.prompt_references else control_images(controls)
         if captions is not None:
-            out.update({COND + k: v.float() for k, v in encoders.encode(list(captions), "cpu").items()})
+            out.update({COND + k: v.float() for k, v in encoders.encode(list(captions), "cpu", seen).items()})
+            if seen is not None:  # the prompt sees the pictures: caption dropout's empty instruction with them
+                out.update({DROPPED + k: v.float() for k, v in encoders.encode([""] * len(seen), "cpu", seen).items()})
         if controls is not None:
-            means = self._posterior(encoders.vae, controls.flatten(0, 1))[0]
-            out[CONTROL_MEAN] = means.unflatten(0, controls.shape[:2]).cpu()
+            pixels = reference_inputs(self.glue, controls)  # as the pipeline hands them to the VAE
+            means = self._posterior(encoders.vae, pixels.flatten(0, 1))[0]
+            out[CONTROL_MEAN] = means.unflatten(0, pixels.shape[:2]).cpu()
         return out
 
     def cache_extras(self, encoders) -> dict:
@@ -124,8 +131,9 @@ class CachedConditions:
                              f"with preprocess.py --family {self.name} --model {cfg.model} --text_encoder ...")
         self._check_controls(cfg, dataset)
         names = tuple(n.removeprefix(COND) for n in dataset.embeddings)
-        encoders.cached = tuple(k for k in names if k in declared or k == CONTROL_MEAN)
-        encoders.dtypes = {k: v.dtype for k, v in declared.items()} | {CONTROL_MEAN: torch.float32}  # masks: as floats
+        encoders.cached = tuple(k for k in names if k.removeprefix(DROPPED) in declared or k == CONTROL_MEAN)
+        dtypes = {k: v.dtype for k, v in declared.items()}  # masks come back as floats
+        encoders.dtypes = dtypes | {DROPPED + k: v for k, v in dtypes.items()} | {CONTROL_MEAN: torch.float32}
         encoders.empty = {k: v.to(encoders.dtypes[k]) for k, v in empty.items()}
 
     @staticmethod
@@ -145,5 +153,5 @@ class CachedConditions:
         table = {"": {k: v.cpu() for k, v in encoders.empty.items()}}
         for caption in conditions:
             item = dataset[index[caption]]  # ((mean, std), label, caption, *conditions[, control_mean])
-            table[caption] = {k: v for k, v in encoders.from_cache(item[3:], "cpu").items() if k != CONTROL_MEAN}
+            table[caption] = {k: v for k, v in encoders.from_cache(item[3:], "cpu").items() if k in table[""]}
         return table

@@ -37,7 +37,7 @@ from opendit.encoders.text import encoder_dtype
 from opendit.encoders.vae import posterior_sample
 from opendit.families.base import NegativePromptOption, preview_prompts, prompt_conditions
 from opendit.families.latent import LatentImageFamily, is_none
-from opendit.families.wrapped.cache import CONTROL_MEAN, CachedConditions, cached_references
+from opendit.families.wrapped.cache import CONTROL_MEAN, DROPPED, CachedConditions, cached_references
 from opendit.families.wrapped.first_block_cache import DEFAULT_THRESHOLD, first_block_cache
 from opendit.families.wrapped.glue import ModelGlue, PixelSpace
 from opendit.families.wrapped.references import control_images, reference_images, reference_latents, reference_sets
@@ -125,7 +125,7 @@ class WrappedObjective:
     def prepare(self, batch, device, train: bool = True):
         """-> (x [B, C', h', w'], the conditions): the prompts' (caption dropout applied) and an editing pair's
         controls in model space ("references")."""
-        vae, references = self.encoders.vae, None
+        vae, references, dropped = self.encoders.vae, None, None
         seen = self.pairs and self.glue.prompt_references  # the prompt sees the controls (not from a cache)
         if isinstance(batch[0], (list, tuple)):  # a cache: one posterior sample, drawn as encode_images draws it
             mean, std = (t.to(device, non_blocking=True) for t in batch[0])
@@ -133,6 +133,8 @@ class WrappedObjective:
             cond = self.encoders.from_cache(batch[3:], device)
             if CONTROL_MEAN in cond:  # a cache of pairs: the controls' posterior means [B, K, C, h, w]
                 references = cached_references(self.glue, vae, cond.pop(CONTROL_MEAN))
+            # a pair's empty instruction with its pictures, where the prompt sees them: what dropout gives instead
+            dropped = {k.removeprefix(DROPPED): cond.pop(k) for k in list(cond) if k.startswith(DROPPED)}
         else:
             images = batch[0].to(device, non_blocking=True)
             z = images if isinstance(vae, PixelSpace) else self.glue.encode_images(vae, images)
@@ -145,7 +147,7 @@ class WrappedObjective:
             captions = ["" if dropped else c for dropped, c in zip(drop.tolist(), batch[-1])]
             cond = self.encoders.encode(captions, device, control_images(batch[1]))
         else:
-            empty = self.encoders.empty_conditions(device)
+            empty = dropped or self.encoders.empty_conditions(device)
             cond = {k: torch.where(drop.view(-1, *[1] * (v.ndim - 1)), empty[k], v) for k, v in cond.items()}
         if self.pairs:  # (targets, controls, instructions)
             cond["references"] = reference_latents(self.glue, vae, batch[1].to(device, non_blocking=True))
@@ -204,9 +206,9 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     # ---- configuration and data ---------------------------------------------------------------------------
     def fill_defaults(self, cfg):
-        pairs = self.dataset_spec(cfg).pairs
+        pairs = self.trains_on_pairs(cfg)
         if self.glue.references_required and cfg.model in self.models and self.references(cfg.model):
-            if not pairs:
+            if pairs is False:
                 raise ValueError(f"--dataset {cfg.dataset}: {cfg.model} edits images, it trains on editing pairs "
                                  f"(--dataset edit_pairs with --control_directory, or the edit_digits demo)")
             if getattr(cfg, "sample_every", 0):
@@ -221,13 +223,15 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
                                                    f"that do)"))
         return dataclasses.replace(super().fill_defaults(cfg), num_classes=0)
 
-    def trains_on_pairs(self, cfg) -> bool:
+    def trains_on_pairs(self, cfg) -> bool | None:
         """Whether the run's data are editing pairs: a dataset of pairs, or a latent cache of them (its manifest
-        counts their controls)."""
+        counts their controls); None for a cache not written yet."""
         spec = self.dataset_spec(cfg)
-        if spec.cache and cfg.data_path and os.path.isfile(os.path.join(cfg.data_path, MANIFEST)):
+        if not spec.cache:
+            return spec.pairs
+        if cfg.data_path and os.path.isfile(os.path.join(cfg.data_path, MANIFEST)):
             return read_manifest(cfg.data_path).get("controls_per_target", 0) > 0
-        return spec.pairs
+        return None
 
     def references(self, model: str) -> int:
         """How many reference images the registered `model` takes (0: none)."""
@@ -296,7 +300,7 @@ class DiffusersFamily(CachedConditions, LatentImageFamily):
 
     def build_model(self, cfg: WrappedTrainOptions, latent_shape):
         model = self.models[cfg.model].build(in_channels=latent_shape[0])
-        for name in self.glue.unused_parameters(model, pairs=self.trains_on_pairs(cfg)):
+        for name in self.glue.unused_parameters(model, pairs=bool(self.trains_on_pairs(cfg))):
             model.get_parameter(name).requires_grad_(False)
         # (text, image or video) tokens per sample, for the FLOP count
         tokens = math.prod(latent_shape[1:]) * self.glue.outside_patch ** 2 // self.patch_size(cfg) ** 2

@@ -13,12 +13,17 @@ def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Ten
     """Controls [B, K, C, H, W] in [-1, 1] -> [B, K, C', h', w'] in model space, as a pipeline encodes a reference
     image: resized as it resizes them (glue.reference_pixels, if it does), the posterior's mode (its mean; pixels
     themselves in pixel space), normalised and packed as latents are."""
-    if glue.reference_pixels is not None:
-        controls = torch.stack([glue.reference_pixels(images) for images in control_images(controls)]
-                               ).to(controls.device)
-    images = controls.flatten(0, 1)
+    images = reference_inputs(glue, controls).flatten(0, 1)
     z = images if isinstance(vae, PixelSpace) else glue.posterior(vae, images)[0]
     return glue.to_model_space(vae, z.float()).float().unflatten(0, controls.shape[:2])
+
+
+def reference_inputs(glue: ModelGlue, controls: torch.Tensor) -> torch.Tensor:
+    """Controls [B, K, C, H, W] in [-1, 1] as the model's pipeline hands its reference images to the VAE: resized by
+    glue.reference_pixels where it resizes them (Qwen-Image-Edit: to its own area), else as they are."""
+    if glue.reference_pixels is None:
+        return controls
+    return torch.stack([glue.reference_pixels(images) for images in control_images(controls)]).to(controls.device)
 
 
 def control_images(controls: torch.Tensor) -> list[list]:
