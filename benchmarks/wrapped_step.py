@@ -7,12 +7,15 @@ text encoder are read).
     python benchmarks/wrapped_step.py --device cuda --model flux2-klein-4b --image_size 1024 --lora_rank 16
     python benchmarks/wrapped_step.py --device cuda --model z-image --image_size 1024
     python benchmarks/wrapped_step.py --device cuda --model ltx2-19b --image_size 512 --num_frames 25 --lora_rank 16
+    python benchmarks/wrapped_step.py --device cuda --model qwen-image-edit-2511 --image_size 1024 --lora_rank 16 \
+        --references 1                          # an editing step: the reference's tokens join the target's
     python benchmarks/wrapped_step.py --model flux2-klein-debug --image_size 16 --steps 2      # CPU smoke run
 
 Prints (and writes to --out as a markdown row): seconds per step (median after the first), peak device memory,
 parameters and trainable parameters.
 """
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -29,11 +32,22 @@ from opendit.families import family_of  # noqa: E402
 from opendit.lora.run import adapt_model  # noqa: E402
 
 
+def reference_shape(family, cfg, device) -> tuple[int, ...]:
+    """The model-space shape of one reference image of an editing model at the run's size: at that size, or at the
+    size its pipeline resizes references to (glue.reference_pixels: Qwen-Image-Edit's 1024 x 1024 area)."""
+    from PIL import Image
+    side = cfg.image_size
+    if family.glue.reference_pixels is not None:
+        side = family.glue.reference_pixels([Image.new("RGB", (side, side))]).shape[-1]
+    return tuple(family.memory_probe(dataclasses.replace(cfg, image_size=side), device).latent_shape)
+
+
 def step_figures(a) -> dict:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     family = family_of(a.model)
-    files = next(name for name, spec in family.datasets.items() if not spec.built_in)  # captions of the usual VAE
+    pairs = bool(getattr(a, "references", 0))  # an editing step: its data are pairs
+    files = next(name for name, spec in family.datasets.items() if not spec.built_in and spec.pairs == pairs)
     frames = {"num_frames": a.num_frames} if getattr(a, "num_frames", None) else {}  # a video model's clip length
     cfg = family.resolve_config(cfglib.TrainConfig(model=a.model, image_size=a.image_size, lora_rank=a.lora_rank,
                                                    dataset=files, vae="auto", **frames))
@@ -50,6 +64,9 @@ def step_figures(a) -> dict:
     glue, flow = family.glue, RectifiedFlow()
     x = torch.randn(a.batch_size, *shape, device=device)
     cond = glue.random_conditions(family.models[a.model], a.batch_size, device)
+    if getattr(a, "references", 0):
+        cond["references"] = torch.randn(a.batch_size, a.references, *reference_shape(family, cfg, device),
+                                         device=device)
     times = []
     for _ in range(a.steps):
         if cuda:
@@ -68,6 +85,7 @@ def step_figures(a) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return dict(model=a.model, image_size=a.image_size, lora_rank=a.lora_rank, batch=a.batch_size,
+                references=getattr(a, "references", 0),
                 params=sum(p.numel() for p in model.parameters()), trainable=sum(p.numel() for p in trainable),
                 step_s=statistics.median(times[1:] or times), loss=float(loss.detach()),
                 peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"))
@@ -80,13 +98,15 @@ def main():
     p.add_argument("--num_frames", type=int, default=None, help="a video model's frames (default: the run's)")
     p.add_argument("--lora_rank", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--references", type=int, default=0, help="an editing model's reference images per sample")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--grad_checkpoint", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="append the markdown row to this file")
     a = p.parse_args()
     f = step_figures(a)
-    row = (f"| {f['model']} | {f['image_size']} | {'LoRA ' + str(f['lora_rank']) if f['lora_rank'] else 'full'} | "
+    model = f"{f['model']} + {f['references']} ref." if f["references"] else f["model"]
+    row = (f"| {model} | {f['image_size']} | {'LoRA ' + str(f['lora_rank']) if f['lora_rank'] else 'full'} | "
            f"{f['params'] / 1e9:.2f}B | {f['trainable'] / 1e6:.1f}M | {f['step_s']:.3f} | {f['peak_gib']:.1f} |")
     print("| model | px | trains | params | trainable | s / step | peak GiB |\n|---|---:|---|---:|---:|---:|---:|\n"
           + row)
