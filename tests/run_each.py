@@ -62,6 +62,23 @@ def cli(script, *args, nproc=1):
     return out
 
 
+def trains_and_resumes_exactly(run: dict, root, steps: int = 2):
+    """train.py on the options `run` for `steps` steps into root/cli (a checkpoint at the last), then resumed there to
+    2 x steps: its losses are an uninterrupted run's (root/a), all finite -> (that run's Trainer, its losses)."""
+    import numpy as np
+
+    from opendit import config as cfglib
+    from tests.test_train import run_trainer
+    run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", str(steps),
+             "--ckpt_every", str(steps), "--outputs", Path(root) / "cli")
+    trainer, full = run_trainer(cfglib.TrainConfig(**run, max_steps=2 * steps, ckpt_every=steps,
+                                                   outputs=str(Path(root) / "a")))
+    _, resumed = run_trainer(cfglib.TrainConfig(**run, max_steps=2 * steps, ckpt_every=steps, load="latest",
+                                                outputs=str(Path(root) / "cli")))
+    assert resumed == full[steps:] and all(np.isfinite(full))
+    return trainer, full
+
+
 def losses_of(run_dir) -> list[float]:
     """The losses a run folder's log.jsonl holds, one per logged step."""
     return [json.loads(line)["loss"] for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]

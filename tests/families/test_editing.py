@@ -11,7 +11,7 @@ from PIL import Image
 
 from opendit import config as cfglib
 from opendit.data import EditDigitsDataset, EditPairsDataset
-from tests.run_each import run_here, sample_here
+from tests.run_each import run_here, sample_here, trains_and_resumes_exactly
 from tests.test_train import run_trainer
 
 MODEL = "flux1-kontext-debug-diffusers"
@@ -140,13 +140,7 @@ def test_an_editing_run_trains_resumes_exactly_and_samples_as_the_pipeline(tmp_p
     from opendit.families.wrapped.glue import pack
     from opendit.inference import load_model
     from opendit.seeding import sampling_generator
-    run = options(text_encoder)
-    run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "2",
-             "--ckpt_every", "2", "--outputs", tmp_path / "cli")
-    _, full = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, outputs=str(tmp_path / "a")))
-    _, resumed = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, load="latest",
-                                                outputs=str(tmp_path / "cli")))
-    assert resumed == full[2:] and all(np.isfinite(full))
+    trains_and_resumes_exactly(options(text_encoder), tmp_path)
     reference = tmp_path / "seven.png"
     Image.fromarray(np.uint8(EditDigitsDataset(16)[7][0][0].add(1).mul(127.5).round())).save(reference)
     sample_here("--ckpt", "latest", "--outputs", tmp_path / "cli", "--image", reference, "--prompts", "mirror it",

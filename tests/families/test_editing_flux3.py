@@ -10,7 +10,7 @@ from PIL import Image
 
 from opendit import config as cfglib
 from tests.families.test_editing import write_pairs
-from tests.run_each import run_here, sample_here
+from tests.run_each import sample_here, trains_and_resumes_exactly
 from tests.test_train import run_trainer
 
 MODEL = "flux3-debug"
@@ -97,12 +97,7 @@ def test_an_editing_run_trains_the_branch_resumes_exactly_and_samples_as_the_pip
     from opendit.seeding import sampling_generator
     targets, controls = write_pairs(tmp_path)
     run = options(parts, dataset="edit_pairs", data_path=targets, control_directory=controls, image_size=64)
-    run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "2",
-             "--ckpt_every", "2", "--outputs", tmp_path / "cli")
-    trainer, full = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, outputs=str(tmp_path / "a")))
-    _, resumed = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, load="latest",
-                                                outputs=str(tmp_path / "cli")))
-    assert resumed == full[2:] and all(np.isfinite(full))
+    trainer, _ = trains_and_resumes_exactly(run, tmp_path)
     trained, initial = _image_cond(trainer)
     assert all(p.requires_grad for p in trained.values())
     assert all(not torch.equal(trained[n], initial[n]) for n in trained)

@@ -12,7 +12,7 @@ from PIL import Image
 
 from opendit import config as cfglib
 from tests.families.test_editing import write_pairs
-from tests.run_each import run_here, sample_here
+from tests.run_each import run_here, sample_here, trains_and_resumes_exactly
 from tests.test_train import run_trainer
 
 MODEL = "qwen-image-edit-debug"
@@ -114,13 +114,7 @@ def test_an_edit_run_trains_resumes_exactly_and_samples_as_the_pipeline(tmp_path
     from opendit.families.wrapped.glue import pack
     from opendit.inference import load_model
     from opendit.seeding import sampling_generator
-    run = options(parts)
-    run_here("train.py", *[a for k, v in run.items() for a in (f"--{k}", str(v))], "--max_steps", "1",
-             "--ckpt_every", "1", "--outputs", tmp_path / "cli")
-    _, full = run_trainer(cfglib.TrainConfig(**run, max_steps=2, ckpt_every=1, outputs=str(tmp_path / "a")))
-    _, resumed = run_trainer(cfglib.TrainConfig(**run, max_steps=2, ckpt_every=1, load="latest",
-                                                outputs=str(tmp_path / "cli")))
-    assert resumed == full[1:] and all(np.isfinite(full))
+    trains_and_resumes_exactly(options(parts), tmp_path, steps=1)
     pair = [parts[2] / "c" / "0_0.png", parts[2] / "c" / "0_1.png"]
     prompts = ["mirror it", "the next digit"]
     sample_here("--ckpt", "latest", "--outputs", tmp_path / "cli", "--image", ",".join(map(str, pair)), "--prompts",

@@ -5,15 +5,13 @@ import logging
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 from opendit import config as cfglib
 from opendit.data import EditPairsDataset, EditStreamDataset, count_skipped
 from tests.families.test_editing import MODEL, options, write_pairs
-from tests.run_each import run_here
-from tests.test_train import run_trainer
+from tests.run_each import trains_and_resumes_exactly
 
 COUNT = 6  # pairs
 
@@ -130,9 +128,4 @@ def test_a_run_on_streamed_pairs_trains_and_resumes_exactly(tmp_path, pairs, tex
     targets, controls = pairs
     path = write_stream("webdataset", tmp_path, list(records(targets, controls[1], 1)))
     run = options(text, dataset="edit_webdataset", data_path=path, batch_size=2, shuffle_buffer=4)
-    run_here("train.py", *[a for key, v in run.items() for a in (f"--{key}", str(v))], "--max_steps", "2",
-             "--ckpt_every", "2", "--outputs", tmp_path / "cli")
-    _, full = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, outputs=str(tmp_path / "a")))
-    _, resumed = run_trainer(cfglib.TrainConfig(**run, max_steps=4, ckpt_every=2, load="latest",
-                                                outputs=str(tmp_path / "cli")))
-    assert resumed == full[2:] and all(np.isfinite(full))
+    trains_and_resumes_exactly(run, tmp_path)
