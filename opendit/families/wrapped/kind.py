@@ -9,10 +9,12 @@ model's token space, the forward's arguments, the pipeline. A family is `Diffuse
 Data: the captioned digits demo (pixel space, through PixelSpace), a folder of captioned images / a CSV or JSONL
 of path,caption through the model's VAE, or a latent cache of either (cache.py). Caption dropout for classifier-free
 guidance replaces a caption's embedding by the empty caption's (p = --caption_dropout_prob). A model that takes
-reference images (its constants' `references`: FLUX.1 Kontext) also trains on editing pairs (the edit-digits demo, a
-target folder with its control folder): the controls are encoded as its pipeline encodes a reference image and reach
-the forward as the condition "references" [B, K, C', h', w'] (never dropped), which the feed appends to the
-sequence without noise; the loss covers the target's tokens only.
+reference images (its constants' `references`: FLUX.1 Kontext, FLUX.2, FLUX.3, Qwen-Image-Edit) also trains on
+editing pairs (the edit-digits demo, a target folder with its control folder, a stream of pairs, a latent cache of
+pairs): the controls are encoded as its pipeline encodes a reference image and reach the forward as the condition
+"references" [B, K, C', h', w'] (never dropped), which the feed appends to the sequence without noise; the loss covers
+the target's tokens only. Where the prompt also sees the references (Qwen-Image-Edit), it is encoded with them and
+caption dropout drops the instruction only.
 """
 import dataclasses
 import functools
@@ -144,7 +146,7 @@ class WrappedObjective:
         p = self.cfg.caption_dropout_prob if train else 0.0
         drop = (torch.rand(len(x)) < p).to(device)  # the global RNG: the same on every SP rank
         if seen:  # the instruction dropped, not the pictures the prompt shows
-            captions = ["" if dropped else c for dropped, c in zip(drop.tolist(), batch[-1])]
+            captions = ["" if gone else c for gone, c in zip(drop.tolist(), batch[-1])]
             cond = self.encoders.encode(captions, device, control_images(batch[1]))
         else:
             empty = dropped or self.encoders.empty_conditions(device)
