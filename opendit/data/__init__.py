@@ -15,8 +15,8 @@ from opendit.data.moving_digits import MOVING_DIGITS, MovingDigitsDataset
 from opendit.data.sampler import ResumableDistributedSampler
 from opendit.data.skipped import count_skipped
 from opendit.data.spec import DatasetSpec, dataset_map
-from opendit.data.streaming import (CAPTIONED_STREAMS, CLIP_STREAMS, EDIT_STREAMS, LABELLED_STREAMS, EditStreamDataset,
-                                    StreamDataset)
+from opendit.data.edit_streams import EDIT_STREAMS, EditStreamDataset
+from opendit.data.streaming import CAPTIONED_STREAMS, CLIP_STREAMS, LABELLED_STREAMS, StreamDataset
 from opendit.data.transforms import center_crop_arr
 from opendit.data.video_csv import VIDEO_CSV, VideoCSVDataset, read_video_csv
 from opendit.data.video_io import VideoReadError, read_clip, video_frame_count, write_gif, write_mp4

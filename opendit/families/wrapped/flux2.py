@@ -18,6 +18,7 @@ import torch
 
 from opendit.distributed import unwrap_model
 from opendit.families.wrapped.context_parallel import diffusers_plan
+from opendit.families.wrapped.references import image_of_the_set
 from opendit.families.wrapped.declared import Declared, Feed, Size, Streams
 
 KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
@@ -92,11 +93,6 @@ def forward(model, x, t, cond) -> dict:
                 txt_ids=pipe._prepare_text_ids(embeds).to(x.device), guidance=guidance, return_dict=False)
 
 
-def reference_call(references, height: int, width: int) -> dict:
-    """The pipelines' `image`: the reference images of the call's samples (one set for its whole batch)."""
-    return {} if references is None else dict(image=references[0])
-
-
 def call(constants, sample_cfg, cond, negative) -> dict:
     """[klein]: true guidance with the negative prompt; [dev]: --cfg_scale is its embedded guidance, no negative."""
     given = dict(prompt_embeds=cond["embeds"], guidance_scale=sample_cfg.cfg_scale,
@@ -138,7 +134,7 @@ def text_model(name: str) -> tuple[str, str]:
 
 MODEL = Declared(
     family="flux2", title="FLUX.2", transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline",
-    models=MODELS, feed=Feed(encode, to_model, forward, call), reference_call=reference_call,
+    models=MODELS, feed=Feed(encode, to_model, forward, call), reference_call=image_of_the_set,
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"}, text_model=text_model,
     conditions={"embeds": ("L", "joint_attention_dim")},
     scheduler=SCHEDULER, vae="AutoencoderKLFlux2", vae_size=(32, 84e6),  # about: 8x down, 32 channels (128 in 2x2)

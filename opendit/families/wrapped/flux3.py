@@ -43,6 +43,7 @@ with the root module.
 """
 import torch
 
+from opendit.families.wrapped.references import image_of_the_set
 from opendit.families.wrapped.declared import Declared, Feed, Size, Streams
 from opendit.families.wrapped.glue import pack
 
@@ -96,12 +97,6 @@ def forward(model, x, t, cond) -> dict:
         given |= dict(image_cond_hidden_states=torch.cat([pack(r) for r in references], dim=1),
                       image_cond_ids=torch.cat(ids).to(x.device))
     return given
-
-
-def reference_call(references, height: int, width: int) -> dict:
-    """The pipeline's `image`: the reference images of the call's samples (one set for its whole batch: its
-    VAE-encoder step encodes each once, its input step repeats the latents to the batch)."""
-    return {} if references is None else dict(image=references[0])
 
 
 def call(constants, sample_cfg, cond, negative) -> dict:
@@ -167,7 +162,7 @@ MODEL = Declared(
             "flux3-debug": Size(FLUX3_DEBUG, dict(max_sequence_length=16, text_layers=(1, 2, 3), steps=20,
                                                   cfg_scale=3.5, text_params=0, tiny_text="qwen3-vl+processor",
                                                   references=REFERENCES))},
-    feed=Feed(encode, to_model, forward, call), reference_call=reference_call, make_pipeline=ModularAsClassic,
+    feed=Feed(encode, to_model, forward, call), reference_call=image_of_the_set, make_pipeline=ModularAsClassic,
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"},
     conditions={"embeds": ("L", "joint_attention_dim")},
     scheduler=SCHEDULER, vae="AutoencoderKLFlux2", vae_size=(32, 84e6), packed_latents=False,

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from opendit.families.wrapped.context_parallel import diffusers_plan, masked_padding
+from opendit.families.wrapped.references import image_of_the_set
 from opendit.families.wrapped.declared import Declared, Feed, Size, Streams, _construct
 from opendit.families.wrapped.glue import pack, patchify
 
@@ -110,12 +111,6 @@ def forward(model, x, t, cond) -> dict:
                 encoder_hidden_states_mask=cond["mask"], timestep=t, img_shapes=[grids] * b, return_dict=False)
 
 
-def reference_call(references, height: int, width: int) -> dict:
-    """QwenImageEditPlusPipeline's image argument: one prompt's reference images (it samples one prompt per
-    call)."""
-    return {} if references is None else dict(image=references[0])
-
-
 def call(constants, sample_cfg, cond, negative) -> dict:
     """The embeddings cut to the longest prompt of the batch, as the pipeline pads them itself."""
     def trimmed(c):
@@ -187,7 +182,7 @@ MODEL = Declared(
             "qwen-image-edit-debug": Size(QWEN_IMAGE_EDIT_DEBUG, dict(EDIT, max_sequence_length=640, steps=20,
                                                                       text_params=0,
                                                                       tiny_text="qwen2.5-vl+processor"))},
-    feed=Feed(encode, to_model, forward, call), text_pipeline=_text_pipeline, reference_call=reference_call,
+    feed=Feed(encode, to_model, forward, call), text_pipeline=_text_pipeline, reference_call=image_of_the_set,
     reference_pixels=reference_pixels, prompt_references=True, one_prompt_per_call=True, references_required=True,
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"},
     conditions={"embeds": ("L", "joint_attention_dim"), "mask": ("L",)},

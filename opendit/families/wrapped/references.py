@@ -9,6 +9,12 @@ from opendit.families.wrapped.glue import ModelGlue, PixelSpace
 from opendit.images import image_paths
 
 
+def image_of_the_set(references, height: int, width: int) -> dict:
+    """A Declared.reference_call for a pipeline whose `image` is one set of reference images for its whole call
+    (FLUX.2's, FLUX.3's; Qwen-Image-Edit's, which samples one prompt per call)."""
+    return {} if references is None else dict(image=references[0])
+
+
 def reference_latents(glue: ModelGlue, vae, controls: torch.Tensor) -> torch.Tensor:
     """Controls [B, K, C, H, W] in [-1, 1] -> [B, K, C', h', w'] in model space, as a pipeline encodes a reference
     image: resized as it resizes them (glue.reference_pixels, if it does), the posterior's mode (its mean; pixels
