@@ -47,15 +47,15 @@ def edit_scores(edited: np.ndarray, inputs: np.ndarray, intended: np.ndarray) ->
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image_size", type=int, default=16)
-    p.add_argument("--max_steps", type=int, default=3000)
+    p.add_argument("--image_size", type=int, default=12)
+    p.add_argument("--max_steps", type=int, default=4000)
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema_decay", type=float, default=0.995)
     p.add_argument("--caption_dropout_prob", type=float, default=0.1, help="drops the instruction this often: what "
                    "classifier-free guidance needs")
     p.add_argument("--cfg_scales", type=float, nargs="+", default=[1.0, 4.0], help="edits sampled at each (1: off)")
-    p.add_argument("--samples_per_edit", type=int, default=50)
+    p.add_argument("--samples_per_edit", type=int, default=100)
     p.add_argument("--sampling_steps", type=int, default=20)
     p.add_argument("--outputs", default="outputs/edit_quality")
     p.add_argument("--seed", type=int, default=0)

@@ -8,9 +8,10 @@ controls (a batch holds K of each). A target without a control and a control wit
 named in the log, and left out. The controls go through the target's aspect-ratio bucket, resized and cropped to
 its size as the target is (and flipped with it), so one bucket holds the pair.
 
-EditDigitsDataset is the built-in demo: scikit-learn's digits with four edits, each item one of them by turn:
-"the next digit" (a target of the next digit, 9 -> 0, written by another hand), "mirror it" (left to right), "rotate
-it a quarter turn" (counter-clockwise) and "make the strokes thicker" (each ink pixel grown by its neighbours).
+EditDigitsDataset is the built-in demo: scikit-learn's digits with four edits, every scan the input of each
+(item i: scan i // 4, edit i % 4): "the next digit" (a target of the next digit, 9 -> 0, written by another hand),
+"mirror it" (left to right), "rotate it a quarter turn" (counter-clockwise) and "make the strokes thicker" (each
+ink pixel grown by its neighbours).
 """
 import logging
 import os
@@ -117,8 +118,9 @@ EDITS = ("the next digit", "mirror it", "rotate it a quarter turn", "make the st
 
 
 class EditDigitsDataset(DigitsDataset):
-    """The editing demo: item i is edit EDITS[i % 4] of digit scan i (module doc). `labels`: the digit each target
-    shows (what an independent classifier should read), `edits`: each item's edit index."""
+    """The editing demo: item i is edit EDITS[i % 4] of digit scan i // 4 (module doc). `labels`: the digit each
+    item's target shows (what an independent classifier should read), `edits`: each item's edit index, `scans`: its
+    input's scan."""
 
     num_classes = 0
     controls_per_target = 1
@@ -126,12 +128,14 @@ class EditDigitsDataset(DigitsDataset):
     def __init__(self, image_size: int, channels: int = 1, seed: int = 0, split: str = "all", digits=None):
         super().__init__(image_size, channels=channels, split=split, digits=digits)
         self.seed = int(seed)
-        self.edits = np.arange(len(self)) % len(EDITS)
+        items = np.arange(len(self._labels) * len(EDITS))
+        self.scans, self.edits = items // len(EDITS), items % len(EDITS)
         by_digit = {d: np.flatnonzero(self._labels == d) for d in range(10)}
-        # the next digit's scan: another hand's, picked by (seed, i); a subset without that digit keeps the scan
+        # the next digit's scan: another hand's, picked by (seed, item); a subset without that digit keeps the scan
         self.partner = np.array([by_digit[(d + 1) % 10][mix_seed(self.seed, i) % len(by_digit[(d + 1) % 10])]
-                                 if len(by_digit[(d + 1) % 10]) else i for i, d in enumerate(self._labels)])
-        self.labels = np.where(self.edits == 0, self._labels[self.partner], self._labels)
+                                 if len(by_digit[(d + 1) % 10]) else s
+                                 for i, (s, d) in enumerate(zip(self.scans, self._labels[self.scans]))])
+        self.labels = np.where(self.edits == 0, self._labels[self.partner], self._labels[self.scans])
         self.captions = [EDITS[e] for e in self.edits]
 
     def caption(self, index: int) -> str:
@@ -154,10 +158,13 @@ class EditDigitsDataset(DigitsDataset):
         x = to_signed_tensor(image)
         return x.expand(3, -1, -1).contiguous() if self.channels == 3 else x
 
+    def __len__(self) -> int:
+        return len(self.edits)
+
     def __getitem__(self, index: int):
-        edit = int(self.edits[index])
-        control = self._tensor(self._pixels(index, -1))
-        target = self._tensor(self._pixels(self.partner[index], -1) if edit == 0 else self._pixels(index, edit))
+        edit, scan = int(self.edits[index]), int(self.scans[index])
+        control = self._tensor(self._pixels(scan, -1))
+        target = self._tensor(self._pixels(self.partner[index], -1) if edit == 0 else self._pixels(scan, edit))
         return target, control[None], self.captions[index]
 
 
