@@ -11,7 +11,7 @@ setup(
         "einops",
         "diffusers",
         "transformers",
-        "safetensors",
+        "safetensors>=0.8",  # its pread backend: files read tensor by tensor (host memory at the weights' size)
         "numpy",
         "pillow",
         "pandas",

@@ -35,16 +35,16 @@ def failure_status(e: Exception) -> str:
 def write_zero_base(path: Path, model: str, **arch) -> float:
     """A weights file of `model`'s shapes (official ones unless `arch` overrides a value), all zeros in bf16 (no
     download and no random init of billions of parameters on the host; values change neither the memory nor,
-    beyond a few percent, the time) -> seconds."""
-    from safetensors.torch import save_file
-
+    beyond a few percent, the time), written tensor by tensor: the host holds one tensor, not the weights -> seconds."""
+    from opendit.checkpoint.folders import write_safetensors
     from opendit.families import family_of
 
     t0 = time.time()
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in family_of(model).models[model].build(**arch).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in family_of(model).models[model].build(**arch).state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}, str(path))
+    write_safetensors(path, {k: (torch.bfloat16, s) for k, s in shapes.items()},
+                      (torch.zeros(s, dtype=torch.bfloat16) for s in shapes.values()))
     return time.time() - t0
 
 

@@ -5,12 +5,14 @@ foreign format (a diffusers folder, an official release) is the business of the 
 """
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from opendit.checkpoint.discovery import resolve_checkpoint
+from opendit.checkpoint.folders import read_safetensors_file, write_safetensors
 from opendit.checkpoint.layout import STEP_DIR, is_step_dir, read_meta
 from opendit.checkpoint.manifest import (CheckpointCorruptError, file_problem, read_manifest, record_files,
                                          verify_checkpoint, write_bytes)
@@ -27,25 +29,53 @@ def _sidecar(path: str) -> str:
 
 def export_weights(path: str, state_dict: dict[str, torch.Tensor], metadata: dict | None = None) -> str | None:
     """Write {fqn: full tensor} to one .safetensors file (+ a .json sidecar with `metadata`, e.g. model name
-    and config) via a temporary name and a rename. No collective inside: only rank 0 writes, other ranks
-    return None, so it may be called on all ranks or on rank 0 alone."""
+    and config) via a temporary name and a rename, tensor by tensor (no copy of the weights is made). No
+    collective inside: only rank 0 writes, other ranks return None, so it may be called on all ranks or on rank 0
+    alone."""
     path = os.fspath(path)
     if current_rank() != 0:
         return None
-    from safetensors.torch import save_file
-
-    if not path.endswith(".safetensors"):
-        raise ValueError(f"export path {path!r} must end with .safetensors")
+    _check_export_path(path)
     bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor) or isinstance(v, DTensor)]
     if bad:
         raise TypeError(f"export_weights needs full plain tensors; {bad[:3]} are not (gather DTensors first, "
                         "e.g. ShardedEMA.full_state_dict())")
+    return _write_export(path, _layout(state_dict), state_dict.values(), metadata)
+
+
+def export_ema(ema: ShardedEMA, path: str, metadata: dict | None = None) -> str | None:
+    """Export a ShardedEMA, gathering one tensor at a time (a collective: call on every rank); rank 0 writes each
+    gathered tensor as it comes, so no rank holds the whole EMA twice."""
+    path = os.fspath(path)
+    state = ema.state_dict()
+    gathered = (v.full_tensor() if isinstance(v, DTensor) else v for v in state.values())  # every rank's order
+    out = None
+    try:
+        if current_rank() == 0:
+            _check_export_path(path)
+            out = _write_export(path, _layout(state), gathered, metadata)
+    finally:
+        for _ in gathered:  # the other ranks, and rank 0 after a failed write, join the gathers left
+            pass
+    barrier()  # the file exists on return, on every rank
+    return out
+
+
+def _check_export_path(path: str) -> None:
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"export path {path!r} must end with .safetensors")
+
+
+def _layout(state: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
+
+
+def _write_export(path: str, layout: dict, tensors, metadata: dict | None) -> str:
+    """write_safetensors to a temporary name, the sidecar, the renames, and the step directory's manifest."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # safetensors refuses shared or strided storage: give each tensor its own contiguous CPU copy.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     tmp = path + ".tmp"
     try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        write_safetensors(tmp, layout, tensors, metadata={"format": "pt"})
         if metadata is not None:
             write_bytes(_sidecar(path) + ".tmp", json.dumps(metadata, indent=1, default=str).encode())
             os.replace(_sidecar(path) + ".tmp", _sidecar(path))
@@ -53,21 +83,15 @@ def export_weights(path: str, state_dict: dict[str, torch.Tensor], metadata: dic
         folder = os.path.dirname(os.path.abspath(path))  # an export into a step directory joins its manifest
         if STEP_DIR.match(os.path.basename(folder)):
             record_files(folder, [os.path.basename(p) for p in (path, _sidecar(path)) if os.path.isfile(p)])
-    except Exception as e:  # safetensors reports a full disk as its own error type
+    except Exception as e:
         for leftover in (tmp, _sidecar(path) + ".tmp"):
             if os.path.exists(leftover):
                 os.remove(leftover)
+        if isinstance(e, (TypeError, ValueError)):  # a tensor safetensors cannot store, or a bad layout
+            raise
         raise OSError(getattr(e, "errno", None), f"exporting weights to {path} failed ({type(e).__name__}: {e}); "
                                                  f"is the disk full, or the folder not writable?") from e
     return path
-
-
-def export_ema(ema: ShardedEMA, path: str, metadata: dict | None = None) -> str | None:
-    """Gather a ShardedEMA and export it (a collective: call on every rank); rank 0 writes the file."""
-    weights = ema.full_state_dict(rank0_only=True)
-    out = export_weights(path, weights, metadata)
-    barrier()  # the file exists on return, on every rank
-    return out
 
 
 def read_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
@@ -90,9 +114,10 @@ def read_dcp_weights(path: str, key: str) -> dict[str, torch.Tensor]:
 def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[str, torch.Tensor]:
     """{official fqn: tensor} on the CPU from a .safetensors export, a .pt (a plain state_dict, or a training
     checkpoint {"model", "ema", ...} as the DiT release writes it) or a step directory. `key` picks "ema" or
-    "model"; default: the EMA when the file has one (sampling wants the EMA). mmap: map a .pt's tensors instead
-    of reading them (cheap for looking at keys and shapes). Step directories (and files listed in one's manifest)
-    are verified first (for a step directory in a process group a collective: call on every rank); nothing is
+    "model"; default: the EMA when the file has one (sampling wants the EMA). mmap: map the file's tensors instead
+    of reading them (cheap for looking at keys and shapes); a tensor read has its own buffer, so a caller that
+    converts the tensors frees each as it goes. Step directories (and files listed in one's manifest) are verified
+    first (for a step directory in a process group a collective: call on every rank); nothing is
     unpickled beyond tensors."""
     path = os.fspath(path)
     kind = checkpoint_kind(path)
@@ -109,7 +134,7 @@ def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[
         from safetensors.torch import load_file
 
         try:
-            return load_file(path, device="cpu")
+            return load_file(path, device="cpu") if mmap else read_safetensors_file(path)
         except SafetensorError as e:
             raise CheckpointCorruptError(f"{path} is not a readable safetensors file ({e}): truncated or "
                                          f"corrupt; export it again or pass the step folder it came from") from None
@@ -126,18 +151,25 @@ def load_weights(path: str, key: str | None = None, mmap: bool = False) -> dict[
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
-def load_into_meta_model(model: torch.nn.Module, state: dict, source: str, keep_dtype: bool = False) -> None:
+def load_into_meta_model(model: torch.nn.Module, state: dict, source: str,
+                         keep_dtype: bool | Collection[str] = False) -> None:
     """Fill a model built on the meta device with `state` (strict: every key, every shape): no time or memory
     goes into weights the file replaces (12B parameters take minutes to initialise). Tensors are taken as
-    stored when keep_dtype (e.g. an official FLUX file's bf16, for a bf16 run), else floats become fp32."""
+    stored when keep_dtype is True (e.g. an official FLUX file's bf16, for a bf16 run) or names their key (e.g. a
+    LoRA run's frozen Linears: opendit.lora.run.kept_as_stored), other floats become fp32, in `state` itself one
+    tensor at a time, so each tensor read is freed as its fp32 copy is made (a bf16 file is never held beside the
+    fp32 model)."""
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ValueError(f"{source} does not fit {type(model).__name__}: missing keys {missing[:5]}"
                          f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}; check --model "
                          f"(and the model's input settings) against the checkpoint")
-    if not keep_dtype:
-        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if keep_dtype is not True:
+        keep = keep_dtype or ()
+        for k, v in state.items():
+            if v.is_floating_point() and k not in keep:
+                state[k] = v.float()
     model.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

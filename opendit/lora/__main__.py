@@ -48,23 +48,32 @@ def _mapping(family, state: dict):
     return module_map(converter, shapes, linears), linears, kohya_map(family, shapes)
 
 
+def add_update(w: torch.Tensor, delta: torch.Tensor, strength: float) -> None:
+    """w = (w.float() + delta * strength).to(w.dtype), in w itself a block of rows at a time: no full-size fp32
+    copy of w (the same rounding: each element's arithmetic is unchanged)."""
+    rows = max(1, (1 << 20) // max(1, w[0].numel()))  # 4 MB of fp32 per block
+    for i in range(0, w.shape[0], rows):
+        w[i:i + rows] = (w[i:i + rows].float() + delta[i:i + rows] * strength).to(w.dtype)
+
+
 def merge(args) -> None:
     family, state, settings, adapters = _base(args.ckpt, args.model, args.lora)
     if not adapters:
         raise ValueError("nothing to merge: pass --lora FILE (or a LoRA run's checkpoint as --ckpt)")
     mapping, linears, kohya = _mapping(family, state)
     for path, strength in adapters:
-        deltas = load_lycoris(path, linears, kohya)  # a LoKr / LoHa file: its full updates
-        if deltas is None:
-            deltas = {name: a.delta() for name, a in load_adapters(path, mapping, linears, kohya).items()}
-        for name, delta in deltas.items():
+        # one full fp32 update at a time (together they outweigh the base): a LoKr / LoHa file's, else a LoRA's
+        deltas = load_lycoris(path, linears, kohya)
+        pairs = deltas.items() if deltas is not None else \
+            ((name, a.delta()) for name, a in load_adapters(path, mapping, linears, kohya).items())
+        for name, delta in pairs:
             key = f"{name}.weight"
-            w = state[key]
-            if delta.shape != w.shape:
-                raise ValueError(f"{path}: {name} makes {list(delta.shape)}, the base has {list(w.shape)}")
-            state[key] = (w.float() + delta * strength).to(w.dtype)
+            if delta.shape != state[key].shape:
+                raise ValueError(f"{path}: {name} makes {list(delta.shape)}, the base has {list(state[key].shape)}")
+            add_update(state[key], delta, strength)
+            del delta  # freed before the next update is made
         logger.info("merged %s at strength %g", path, strength)
-    export_weights(args.out, {k: v.contiguous() for k, v in state.items()}, metadata={"config": settings})
+    export_weights(args.out, state, metadata={"config": settings})  # written tensor by tensor
     print(f"wrote {args.out} ({len(state)} tensors, official layout)")
 
 

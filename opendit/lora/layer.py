@@ -43,7 +43,7 @@ class Adapter(NamedTuple):
 
     def delta(self) -> torch.Tensor:
         """The weight change it makes, scale * B @ A [out, in], in fp32."""
-        return self.B.float() @ self.A.float() * self.scale
+        return (self.B.float() @ self.A.float()).mul_(self.scale)  # in place: one full-size fp32 tensor
 
 
 FP8 = torch.float8_e4m3fn

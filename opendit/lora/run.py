@@ -11,6 +11,7 @@ import torch.nn as nn
 from opendit.lora.formats import ModuleMap, load_adapters, module_map, save_adapters, stacked_map
 from opendit.lora.lycoris import load_lycoris, merge_deltas
 from opendit.booster.parallelize import iter_blocks
+from opendit.booster import precision
 from opendit.distributed import current_rank
 from opendit.lora.layer import (add_lora, attach_adapters, cast_frozen_linears, linear_names, load_trained_adapters,
                                 quantize_frozen_linears, trained_adapters)
@@ -83,7 +84,7 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
             if p.is_floating_point() and p.dtype != compute_dtype:
                 p.data = p.data.to(compute_dtype)
                 cast += 1
-    stored = f"; frozen Linear weights stored in {compute_dtype}" if cast else ""
+    stored = f"; frozen Linear weights stored in {compute_dtype}" if cast or compute_dtype != torch.float32 else ""
     if cfg.base_dtype == "fp8":  # the blocks' Linears: the bulk of the weights; embedders and final layer as they were
         stored = f"; the frozen weights of {quantize_frozen_linears(iter_blocks(model))} block Linear layers stored " \
                  "in fp8 (e4m3, a scale per row), upcast for each matmul"
@@ -91,6 +92,17 @@ def adapt_model(model: nn.Module, family, cfg, compute_dtype: torch.dtype) -> li
     logger.info("LoRA rank %d (alpha %s) on %d layers: %.2fM trainable parameters%s", cfg.lora_rank,
                 cfg.lora_alpha or cfg.lora_rank, len(names), trained / 1e6, stored)
     return names
+
+
+def kept_as_stored(model: nn.Module, cfg) -> set[str]:
+    """The state-dict keys of `model` (built for the run, before adapt_model) that --init_weights may fill as the
+    file stores them rather than in fp32: every Linear's weight and bias, which adapt_model stores in the bf16 or
+    fp16 compute dtype anyway (a file's bf16 or fp16 -> fp32 -> the compute dtype rounds as the direct cast does),
+    so a bf16 base is never held in fp32, twice its bytes. None when the Linears stay fp32, or with --init_lora
+    (a LoKr / LoHa file is merged into them first, in the dtype they are read in)."""
+    if not cfg.lora_rank or cfg.init_lora or precision.compute_dtype(cfg.mixed_precision) == torch.float32:
+        return set()
+    return {f"{name}.{p}" for name in linear_names(model) for p in ("weight", "bias")}
 
 
 def export_lora(folder: str, model: nn.Module, ema, mapping: ModuleMap, metadata: dict,

@@ -25,7 +25,7 @@ from opendit.families import check_model_contract, family_of
 from opendit.kernels import configure_kernels
 from opendit.parallel import enable_sequence_parallel, plan_of
 from opendit.lora.run import (adapt_model, check_lora_flags, check_same_base, family_kohya_map, family_module_map,
-                              weights_fingerprint)
+                              kept_as_stored, weights_fingerprint)
 from opendit.optim import LeanOptimizer, build_optimizer
 from opendit.perf import MFUMeter
 from opendit.seeding import rng_state, seed_everything, set_rng_state
@@ -138,8 +138,10 @@ class Trainer:
             if cfg.init_weights:  # no random init of what the file replaces (12B parameters take minutes)
                 with torch.device("meta"):
                     model = self.family.build_model(cfg, shape)
+                # a LoRA run's frozen Linears as stored: a bf16 base is never held in fp32 (kept_as_stored)
                 load_into_meta_model(model, self.family.load_weights(cfg.init_weights),
-                                     f"--init_weights {cfg.init_weights}", keep_dtype=cfg.master_weights != "fp32")
+                                     f"--init_weights {cfg.init_weights}",
+                                     keep_dtype=cfg.master_weights != "fp32" or kept_as_stored(model, cfg))
             else:
                 model = self.family.build_model(cfg, shape)
             if cfg.lora_rank:  # adapters on the frozen base; the same A on every rank (seeded)
