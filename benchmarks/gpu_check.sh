@@ -6,7 +6,8 @@
 #   OUT=$OUT PART=2 bash benchmarks/gpu_check.sh          # part 2 alone (~10 min), in a second call
 # Part 1 (~7.5 min on an H200, 2026-12-04): DiT training and sampling throughput, kernels, optimizer offload,
 # the gpu-marked tests, the FID Inception, train.py / sample.py smoke runs (image and video), FLUX cached
-# sampling, the lean Wan2.1-1.3B step, FLUX.2 [klein] and Z-Image LoRA steps. Part 2 (~11 min): editing LoRA steps
+# sampling, the lean Wan2.1-1.3B step, FLUX.2 [klein] and Z-Image LoRA steps, the planner's predicted vs measured
+# peak for each family's debug model (at most 90 s, not yet timed on a GPU). Part 2 (~11 min): editing LoRA steps
 # with a reference (Kontext [dev], Qwen-Image-Edit-2511), opendit vs diffusers on the same weights (at most 240 s),
 # then flux-dev (12B) rows, whose set-up reads a 24 GB base of
 # zeros on the host: the LoRA step, the lean full fine-tune under 16 GiB, the lean Wan2.2-TI2V-5B step, the
@@ -107,6 +108,11 @@ stage 1 "$S" "diffusers' transformers: FLUX.2 [klein] 4B, Z-Image, Qwen-Image an
   && { python3 -c "import diffusers" 2>/dev/null || echo "no diffusers here: carry its wheel in .whl/ (benchmarks/README.md)"; } \
   && for m in flux2-klein-4b z-image qwen-image chroma1-hd; do timeout $((S / 4)) python3 benchmarks/wrapped_step.py --device cuda \
   --model "$m" --image_size 1024 --lora_rank 16 --out "$WORK/wrapped_step.md" 2>&1 | quiet | tail -3; done
+S=${PLAN_FAMILIES_S:-90}
+stage 1 "$S" "planner per family: predicted vs measured peak of 2 steps of each family's debug model (pixel space, 64 px, video 5 frames, the batch that plans >= 256 MiB; bf16)" \
+  && timeout "$S" python3 benchmarks/plan_check.py --families --device cuda --work /dev/shm/plan_families \
+  --out "$WORK/plan_families.md" 2>&1 | quiet | tail -30
+rm -rf /dev/shm/plan_families
 S=${EDIT_S:-90}
 stage 2 "$S" "editing: FLUX.1 Kontext [dev] and Qwen-Image-Edit-2511 LoRA 16 at 1024px with one reference each (its tokens join the target's: Qwen's at its pipeline's 1024x1024 area; random weights, synthetic conditions, bf16, checkpointing)" \
   && for m in flux1-kontext-dev-diffusers qwen-image-edit-2511; do timeout $((S / 2)) python3 benchmarks/wrapped_step.py \

@@ -1,5 +1,6 @@
-"""Child of tests/test_plan.py: two real training steps on the CPU; prints the peak RSS growth (bytes) over the RSS
-just before the Trainer builds anything, and the planner's prediction for the same config (device cpu).
+"""Child of tests/test_plan.py (and benchmarks/plan_check.py --families --device cpu): two real training steps on the
+CPU; prints the peak RSS growth (bytes) over the RSS just before the Trainer builds anything, and the planner's
+prediction for the same config (device cpu). The JSON argument overrides BASE with any train.py options.
 
     python tests/plan_peak.py '{"model": "DiT-B/2", "optimizer_state_dtype": "bf16"}'
 """

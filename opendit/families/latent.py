@@ -79,6 +79,7 @@ class LatentImageFamily(ModelFamily):
     # down; 83,653,863 parameters in diffusers' layout), fp32 as load_vae loads it
     vae_channels, vae_params = 4, 83_653_863
     vae_downsampling = 8  # pixels per latent side of the usual VAE (the memory planner's stand-in)
+    vae_temporal = 1  # a video model's usual VAE: frames per latent frame after the first (the planner's stand-in)
     sampling_needs: tuple[str, ...] = ("image_size",)  # settings a checkpoint must tell (or a flag give)
 
     def patch_size(self, cfg) -> int:
@@ -182,10 +183,11 @@ class LatentImageFamily(ModelFamily):
     # ---- memory planning ------------------------------------------------------------------------------------
     def memory_probe(self, cfg, device) -> MemoryProbe:
         """The latent shape as with the family's usual VAE (only its geometry is read: vae_downsampling,
-        vae_channels), its fp32 bytes and the text encoders' (text_encoder_bytes)."""
+        vae_temporal, vae_channels), its fp32 bytes and the text encoders' (text_encoder_bytes)."""
         levels = self.vae_downsampling.bit_length()  # 2 ** (levels - 1) down, as a diffusers VAE's block_out_channels
-        vae = None if is_none(cfg.vae) else types.SimpleNamespace(config=types.SimpleNamespace(
-            block_out_channels=(0,) * levels, latent_channels=self.vae_channels))
+        vae = None if is_none(cfg.vae) else types.SimpleNamespace(
+            temporal_compression_ratio=self.vae_temporal,
+            config=types.SimpleNamespace(block_out_channels=(0,) * levels, latent_channels=self.vae_channels))
         encoders = {} if vae is None else {"VAE": 4 * self.vae_params}
         encoders.update(self.text_encoder_bytes(cfg, device))
         return MemoryProbe(self.latent_shape(cfg, ImageEncoders(vae)), encoders)

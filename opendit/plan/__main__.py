@@ -8,15 +8,13 @@ Takes train.py's flags (those that change memory: --batch_size, --mixed_precisio
 options to keep fixed, ...) plus --nproc (processes of the run, default 1) and --latent_cache (training from a
 preprocess.py cache: no encoders loaded). Without --vae the family's usual VAE is assumed (--vae none: pixel space).
 """
-import dataclasses
 import sys
 
 import torch
 
 from opendit import config as cfglib
 from opendit.cli import fail
-from opendit.families import family_of
-from opendit.plan.report import plan_config
+from opendit.plan.report import plan_config, planned_config
 
 PLAN_DEFAULTS = dict(mixed_precision="bf16", batch_size=1, vae="auto")
 
@@ -32,10 +30,7 @@ def main(argv=None) -> str:
     cfg = cfglib.from_args(cfglib.TrainConfig, args)
     if not cfg.memory_budget:
         raise ValueError("--memory_budget is required: GPU_GiB[,HOST_GiB] (e.g. 24,64) or auto")
-    family = family_of(cfg.model)
-    data = [name for name, spec in family.datasets.items() if spec.cache == args.latent_cache]
-    cfg = dataclasses.replace(cfg, dataset=data[0], vae="none" if cfg.vae == "none" else "usual")
-    cfg = family.fill_defaults(cfg) if hasattr(family, "fill_defaults") else family.resolve_config(cfg)
+    cfg = planned_config(cfg, args.latent_cache)
     _, _, text = plan_config(cfg, cfg.memory_budget, args.nproc, torch.device(args.device))
     print(text)
     return text

@@ -7,9 +7,13 @@ blocks of each block list, on the meta device at two small latent sizes, records
 per block and read at the run's size. Only the token count changes between the two sizes (same widths, same
 text length), and with attention counted as FlashAttention / SDPA's flash kernels keep it (q, k, v, output, an
 fp32 log-sum-exp per row; never an L x L matrix; the CPU's SDPA picks its flash kernel too) everything a block
-saves is linear in its tokens. The meta device runs no arithmetic, so the measurement takes a second for any
-model. Blocks after the second of a list are taken to save what the second saves (the first may differ: its
-input comes from the embedding, in the compute dtype).
+saves is linear in its tokens, except an attention mask a model gives SDPA: the memory-efficient kernel keeps it as
+an additive bias of its own shape (an L x L mask: square in the tokens, fitted so). The meta device runs no
+arithmetic, so the measurement takes a second for any model. Blocks after the second of a list are taken to save
+what the second saves (the first may differ: its input comes from the embedding, in the compute dtype). The inputs
+themselves are real host tensors (_HostInputs): what a model or its feed reads of their values (a prompt mask's
+lengths, the tokens a boolean mask selects, whether an image embedding is all zeros) it reads as in training, where
+meta tensors have no values to read.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -17,20 +21,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opendit.booster import parallelize as par
 from opendit.booster.precision import cast_forward_io
 from opendit.lora.run import adapt_model
 
-SMALL_SIDES = (8, 16)  # latent sides of the two measured sizes (multiples of every registered patch size)
+HOST_REAL = 2 ** 22  # elements up to which an op of host tensors alone runs for real while measuring (_HostInputs)
+SMALL_SIDES = (16, 32)  # latent sides of the two measured sizes: multiples of every registered patch size, and
+# large enough that a model padding its tokens to multiples of 32 pads neither
 
 
 @dataclass
 class BlockActs:
     """Bytes for a micro-batch of one sample: `kept` saved inside the block (its own input included when it saves
-    it), `inputs` the block's tensor arguments (what a checkpointed block keeps)."""
+    it; its attention masks' too), `inputs` the block's tensor arguments (what a checkpointed block keeps), `masks`
+    the part of `kept` that its attention masks take."""
     kept: float
     inputs: float
+    masks: float = 0.0
 
 
 @dataclass
@@ -49,27 +59,81 @@ class ModelFacts:
 
 
 class _FlashLike(torch.autograd.Function):
-    """Attention as the flash kernels keep it for backward: q, k, v, the output and an fp32 log-sum-exp [B, H, Nq]."""
+    """Attention as SDPA's fused kernels keep it for backward: q, k, v, the output and an fp32 log-sum-exp [B, H, Nq];
+    given a mask (the memory-efficient kernel's case: flash takes none), also the mask as an additive bias in q's
+    dtype, of the mask's shape (a boolean mask is converted to one). Biases made here are noted in MASKS."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, mask):
         out = torch.empty_like(q)
-        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        bias = () if mask is None else (mask if mask.dtype == q.dtype else
+                                        torch.empty(mask.shape, dtype=q.dtype, device=q.device),)
+        MASKS.update(b.untyped_storage()._cdata for b in bias)
+        ctx.save_for_backward(q, k, v, out, lse, *bias)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None
+        return None, None, None, None
+
+
+MASKS = set()  # storages of the attention biases _FlashLike keeps (their bytes grow with the square of the tokens)
 
 
 def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    return _FlashLike.apply(query, key, value)  # SDPA's own argument names: diffusers passes them by keyword
+    return _FlashLike.apply(query, key, value, attn_mask)  # SDPA's own argument names: diffusers passes them by keyword
+
+
+class _HostInputs(TorchDispatchMode):
+    """A forward of meta weights on real host inputs: an op that meets a meta tensor, or a host tensor of more than
+    HOST_REAL elements (an L x L attention mask: real work for no value the model reads), runs on the meta device
+    (its host tensors moved there: their shapes only); an op of small host tensors alone runs for real (prompt
+    masks, position ids, timesteps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bases = {}  # (host storage, dtype) -> (a host tensor on it, kept alive; its meta twin)
+
+    def meta(self, t: torch.Tensor) -> torch.Tensor:
+        """t on the meta device, one storage per host storage (as views of one tensor share it on the device)."""
+        if t.is_meta:
+            return t
+        key = (t.untyped_storage()._cdata, t.dtype)
+        if key not in self.bases:
+            twin = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device="meta")
+            self.bases[key] = (t, twin)
+        return self.bases[key][1].as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_meta = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta")
+        if to_meta and kwargs.get("dtype") in (None, args[0].dtype):  # x.to(a meta tensor's device): a twin
+            return self.meta(args[0])
+        if to_meta or any(isinstance(t, torch.Tensor) and (t.is_meta or t.numel() > HOST_REAL)
+                          for t in pytree.tree_leaves((args, kwargs))):
+            if func in _INDEXING:  # a host boolean mask selects on the host (the meta device cannot count it)
+                args = (args[0], [i for t in args[1] for i in _as_positions(t)], *args[2:])
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self.meta, (args, kwargs))
+            if kwargs.get("device") is not None:  # a meta result (e.g. x.type_as(a host tensor)) stays meta
+                kwargs["device"] = torch.device("meta")
+        return func(*args, **kwargs)
+
+
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+
+def _as_positions(index) -> list:
+    """An index of aten.index: a host boolean mask as the positions it selects, one long tensor per dimension."""
+    if index is None or index.is_meta or index.dtype != torch.bool:
+        return [index]
+    return list(index.nonzero().unbind(1))
 
 
 def saved_bytes(model: nn.Module, inputs: dict) -> tuple[float, list[BlockActs]]:
     """(root bytes, per block BlockActs) autograd saves in one forward of `model(**inputs)`."""
     blocks = list(par.iter_blocks(model))
-    owner, kept, ins, seen = [None], [0] * len(blocks), [0] * len(blocks), set()
+    owner, kept, ins, masks, seen = [None], [0] * len(blocks), [0] * len(blocks), [0] * len(blocks), set()
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     root = [0]
 
@@ -89,6 +153,7 @@ def saved_bytes(model: nn.Module, inputs: dict) -> tuple[float, list[BlockActs]]
                 root[0] += size
             else:
                 kept[owner[-1]] += size
+                masks[owner[-1]] += size if key in MASKS else 0
         return t
 
     def leave(*_):
@@ -102,9 +167,10 @@ def saved_bytes(model: nn.Module, inputs: dict) -> tuple[float, list[BlockActs]]
             model(**inputs)
     finally:
         F.scaled_dot_product_attention = sdpa
+        MASKS.clear()
         for h in handles:
             h.remove()
-    return root[0], [BlockActs(k, i) for k, i in zip(kept, ins)]
+    return root[0], [BlockActs(k, i, m) for k, i, m in zip(kept, ins, masks)]
 
 
 def _two_per_list(model: nn.Module) -> list[int]:
@@ -119,7 +185,7 @@ def _two_per_list(model: nn.Module) -> list[int]:
 
 def measure_acts(family, cfg, latent_shape, dtype: torch.dtype) -> tuple[float, list[BlockActs]]:
     """Root and per-block activation bytes at batch 1 for the run's latent shape (see the module docstring); a
-    latent side of at most 16 is measured as it is."""
+    latent side of at most SMALL_SIDES[-1] is measured as it is."""
     side = latent_shape[-1]
     factor = cfg.image_size // side  # pixels per latent row: the VAE's downsampling (1 in pixel space)
     points = []
@@ -134,19 +200,25 @@ def measure_acts(family, cfg, latent_shape, dtype: torch.dtype) -> tuple[float, 
         if dtype != torch.float32:
             cast_forward_io(model, dtype)  # bf16 weights take fp32 inputs as the ddp plugin feeds them
         model.train()
-        root, acts = saved_bytes(model, family.memory_inputs(small_cfg, model, shape, 1, torch.device("meta")))
+        with _HostInputs():
+            root, acts = saved_bytes(model, family.memory_inputs(small_cfg, model, shape, 1, torch.device("cpu")))
         points.append((shape[-1] * shape[-2], root, acts))
     root, acts = _fit(points, latent_shape[-1] * latent_shape[-2])
     return root, _expand(acts, lengths)
 
 
 def _fit(points, area: float) -> tuple[float, list[BlockActs]]:
-    """Each number as a + b x area through the measured points (one point: taken as it is)."""
+    """Each number as a + b x area through the measured points (one point: taken as it is); attention masks as
+    (a + b x area)^2: their sides are the tokens (the latent's, linear in the area, and the text's)."""
     if len(points) == 1:
         return points[0][1], points[0][2]
     (a1, r1, b1), (a2, r2, b2) = points
     at = lambda y1, y2: y1 + (y2 - y1) * (area - a1) / (a2 - a1)  # noqa: E731
-    return at(r1, r2), [BlockActs(at(x.kept, y.kept), at(x.inputs, y.inputs)) for x, y in zip(b1, b2)]
+    out = []
+    for x, y in zip(b1, b2):
+        masks = at(x.masks ** 0.5, y.masks ** 0.5) ** 2
+        out.append(BlockActs(at(x.kept - x.masks, y.kept - y.masks) + masks, at(x.inputs, y.inputs), masks))
+    return at(r1, r2), out
 
 
 def _expand(acts: list[BlockActs], lengths: list[int]) -> list[BlockActs]:

@@ -43,6 +43,15 @@ def parse_budget(text: str, on_cpu: bool) -> tuple[float, float]:
     return values[0], values[1] if len(values) == 2 else MARGIN * host_available()
 
 
+def planned_config(cfg, latent_cache: bool = False):
+    """A config as `python -m opendit.plan` resolves it: the family's first dataset that is (with latent_cache) or is
+    not a latent cache, its usual VAE unless --vae none, the family's defaults."""
+    family = family_of(cfg.model)
+    data = [name for name, spec in family.datasets.items() if spec.cache == latent_cache]
+    cfg = dataclasses.replace(cfg, dataset=data[0], vae="none" if cfg.vae == "none" else "usual")
+    return family.fill_defaults(cfg) if hasattr(family, "fill_defaults") else family.resolve_config(cfg)
+
+
 def build_run(cfg, world: int, device: torch.device) -> Run:
     """The model's facts (meta device, measured activations) and frozen encoders of a resolved config."""
     family = family_of(cfg.model)

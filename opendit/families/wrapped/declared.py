@@ -101,6 +101,7 @@ class Declared:
     vae_repair: Callable | None = None  # vae -> vae, once loaded (what diffusers' autoencoder gets wrong)
     vae_size: tuple[int, float] = (4, 83_653_863)  # (latent channels, parameters) of its usual VAE, for the planner
     vae_downsampling: int = 8  # pixels per latent side of its usual VAE, for the planner
+    vae_temporal: int = 1  # a video model's usual VAE: frames per latent frame after the first, for the planner
     patch: int | Callable = 2  # latent positions per token side, or f(arch) -> that (where the models differ)
     outside_patch: int = 2  # of those, packed before the model (1: the model patches itself)
     packed_latents: bool = True  # the pipeline takes its latents as tokens (else as a grid)
@@ -158,7 +159,7 @@ class DeclaredGlue(ModelGlue):
         self.transformer_class, self.pipeline_class = d.transformer, d.pipeline
         self.scheduler_config, self.vae_class = dict(d.scheduler), d.vae
         self.vae_channels, self.vae_params = d.vae_size
-        self.vae_downsampling = d.vae_downsampling
+        self.vae_downsampling, self.vae_temporal = d.vae_downsampling, d.vae_temporal
         self.parallel_plan, self.lora_targets, self.recipe = d.parallel_plan, d.lora_targets, d.recipe
         self.patch, self.outside_patch = d.patch, d.outside_patch
         self.official_key, self.official_converter = d.official_key, d.official_converter
@@ -246,8 +247,8 @@ class DeclaredGlue(ModelGlue):
         return super().vae_geometry(vae)
 
     def temporal_downsampling(self, vae) -> int:
-        if self.d.vae_kind == "factors":
-            return getattr(vae.config, "scale_factor_temporal", 1)
+        if self.d.vae_kind == "factors" and hasattr(vae.config, "scale_factor_temporal"):  # not the planner's
+            return vae.config.scale_factor_temporal
         return super().temporal_downsampling(vae)
 
     def posterior(self, vae, images):

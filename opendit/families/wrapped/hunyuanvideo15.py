@@ -189,7 +189,7 @@ MODEL = Declared(
     conditions={"embeds": ("L", "text_embed_dim"), "mask": ("L",), "embeds_2": (GLYPH_TOKENS, "text_embed_2_dim"),
                 "mask_2": (GLYPH_TOKENS,)},
     scheduler=SCHEDULER, vae="AutoencoderKLHunyuanVideo15", vae_kind="stated", vae_repair=one_clip_at_a_time,
-    vae_size=(32, 0.25e9),  # about: 16x down, 4x in time
+    vae_size=(32, 0.25e9), vae_downsampling=16, vae_temporal=4,  # parameters: about
     patch=1, outside_patch=1, packed_latents=False, sampling_components=guider,
     # the model takes [latents, conditioning latents, mask]: 2c + 1 channels in, c out
     derived={"in_channels": lambda arch: 2 * arch["in_channels"] + 1, "out_channels": lambda arch: arch["in_channels"]},

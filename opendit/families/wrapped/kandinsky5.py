@@ -205,7 +205,7 @@ MODEL = Declared(
                                                                     text_params=0, tiny_text="kandinsky5"))},
     feed=Feed(encode, to_model, forward_with(video_rope_scale), call, output),
     text=TEXT, conditions=CONDITIONS, scheduler=SCHEDULER,
-    vae="AutoencoderKLHunyuanVideo", vae_size=(16, 246_478_803),
+    vae="AutoencoderKLHunyuanVideo", vae_size=(16, 246_478_803), vae_temporal=4,
     patch=2, outside_patch=1, packed_latents=False, derived=DERIVED, repair=repair_tables,
     sampling_pipeline=_sampling_pipeline, lora_targets=LORA_TARGETS,
     recipe=("the pipeline's parametrisation (the official trainer is not public): x_t = (1 - t) x + t noise, model "

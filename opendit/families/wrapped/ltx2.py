@@ -293,6 +293,7 @@ MODEL = Declared(
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer", "connectors": "connectors"},
     conditions={"embeds": ("L", "caption_channels"), "audio_embeds": ("L", "caption_channels"), "mask": ("L",)},
     scheduler=SCHEDULER, vae="AutoencoderKLLTX2Video", vae_kind="stated", vae_size=(128, 1_222_479_601),
+    vae_downsampling=32, vae_temporal=8,
     patch=1, outside_patch=1, packed_latents=True, cfg_calls="batched",  # one call on [negative; prompt]
     parallel_plan=diffusers_plan(split=("video tokens", "their RoPE tables"), cp_plan=_context_parallel_plan,
                                  checked=("hidden_states",), prepare=_prepare_split),

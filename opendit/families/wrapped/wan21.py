@@ -72,7 +72,7 @@ MODEL = Declared(
     text={"text_encoder": "text_encoder", "tokenizer": "tokenizer"},
     text_model=lambda name: ("T5", "UMT5 encoder Wan2.1 reads"),
     conditions={"embeds": ("L", "text_dim")},
-    scheduler=SCHEDULER, vae="AutoencoderKLWan", vae_kind="factors", vae_size=(16, 126.9e6),
+    scheduler=SCHEDULER, vae="AutoencoderKLWan", vae_kind="factors", vae_size=(16, 126.9e6), vae_temporal=4,
     patch=lambda arch: arch["patch_size"][-1],  # Wan-debug patches 4x4, the releases 2x2
     outside_patch=1, packed_latents=False,  # the model patches its latents itself
     derived={"out_channels": lambda arch: arch["in_channels"]}, repair=repair_rope,
